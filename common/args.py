@@ -1,0 +1,121 @@
+"""Argument groups with the diffusers examples' flag names, and their validation (one-line errors)."""
+import argparse
+
+from .cli import RecipeArgumentParser, UserError
+
+MIXED_PRECISION = ["no", "fp16", "bf16"]
+LR_SCHEDULERS = ["warmup_cosine", "constant", "constant_with_warmup", "linear", "cosine", "cosine_with_restarts",
+                 "polynomial"]
+REPORT_TO = ["tensorboard", "wandb", "all", "none"]
+
+
+def positive_int(text):
+    value = int(text)
+    if value <= 0:
+        raise ValueError
+    return value
+
+
+positive_int.__name__ = "positive integer"
+
+
+def non_negative_int(text):
+    value = int(text)
+    if value < 0:
+        raise ValueError
+    return value
+
+
+non_negative_int.__name__ = "non-negative integer"
+
+
+def positive_float(text):
+    value = float(text)
+    if not value > 0:
+        raise ValueError
+    return value
+
+
+positive_float.__name__ = "positive number"
+
+
+def probability(text):
+    value = float(text)
+    if not 0.0 <= value <= 1.0:
+        raise ValueError
+    return value
+
+
+probability.__name__ = "probability in [0, 1]"
+
+
+def make_parser(description):
+    return RecipeArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+
+
+def add_data_args(parser, resolution, image_column="image"):
+    g = parser.add_argument_group("data")
+    g.add_argument("--dataset_name", default=None, help="Hub dataset id or local dataset path (else --train_data_dir).")
+    g.add_argument("--dataset_config_name", default=None, help="Config of the hub dataset, if it has several.")
+    g.add_argument("--train_data_dir", default="data/digits", help="An imagefolder (metadata.jsonl optional).")
+    g.add_argument("--cache_dir", default=None, help="Where datasets and models are cached.")
+    g.add_argument("--image_column", default=image_column, help="Column that holds the images.")
+    g.add_argument("--eval_split", default="test", help="Held-out split; carved from train if missing.")
+    g.add_argument("--max_train_samples", type=positive_int, default=None, help="Truncate the training set.")
+    g.add_argument("--resolution", type=positive_int, default=resolution, help="Square training resolution.")
+    g.add_argument("--center_crop", action="store_true", help="Center crop instead of random crop.")
+    g.add_argument("--random_flip", action="store_true", help="Random horizontal flip.")
+    g.add_argument("--dataloader_num_workers", type=non_negative_int, default=0, help="0: load in the main process.")
+    return g
+
+
+def add_training_args(parser, *, output_dir, learning_rate, train_batch_size, num_train_epochs, lr_scheduler,
+                      lr_warmup_steps, max_grad_norm=1.0, adam_weight_decay=1e-2):
+    g = parser.add_argument_group("training")
+    g.add_argument("--output_dir", default=output_dir, help="Where the model, checkpoints and logs are written.")
+    g.add_argument("--seed", type=int, default=42, help="Seed for a reproducible run.")
+    g.add_argument("--train_batch_size", type=positive_int, default=train_batch_size, help="Batch size per device.")
+    g.add_argument("--num_train_epochs", type=positive_int, default=num_train_epochs)
+    g.add_argument("--max_train_steps", type=positive_int, default=None,
+                   help="Total optimizer steps; overrides --num_train_epochs.")
+    g.add_argument("--gradient_accumulation_steps", type=positive_int, default=1)
+    g.add_argument("--learning_rate", type=positive_float, default=learning_rate)
+    g.add_argument("--lr_scheduler", default=lr_scheduler, choices=LR_SCHEDULERS,
+                   help="warmup_cosine: linear warm-up from lr_warmup_start_factor*lr, then cosine to --lr_min.")
+    g.add_argument("--lr_warmup_steps", type=non_negative_int, default=lr_warmup_steps, help="In optimizer steps.")
+    g.add_argument("--lr_warmup_start_factor", type=probability, default=0.1, help="warmup_cosine: first LR / lr.")
+    g.add_argument("--lr_min", type=float, default=0.0, help="warmup_cosine: LR at the last optimizer step.")
+    g.add_argument("--adam_beta1", type=float, default=0.9)
+    g.add_argument("--adam_beta2", type=float, default=0.999)
+    g.add_argument("--adam_weight_decay", type=float, default=adam_weight_decay,
+                   help="Not applied to biases and norm weights.")
+    g.add_argument("--adam_epsilon", type=float, default=1e-8)
+    g.add_argument("--max_grad_norm", type=positive_float, default=max_grad_norm, help="Gradient clipping.")
+    g.add_argument("--mixed_precision", default=None, choices=MIXED_PRECISION,
+                   help="Overrides the accelerate config's mixed precision.")
+    g.add_argument("--allow_tf32", action="store_true", help="TF32 matmuls on Ampere+ GPUs.")
+    return g
+
+
+def add_checkpoint_args(parser, checkpointing_steps=500):
+    g = parser.add_argument_group("checkpoints")
+    g.add_argument("--checkpointing_steps", type=positive_int, default=checkpointing_steps,
+                   help="Save a resumable checkpoint-N every N optimizer steps.")
+    g.add_argument("--checkpoints_total_limit", type=positive_int, default=None, help="Keep the newest N checkpoints.")
+    g.add_argument("--resume_from_checkpoint", default=None, help='"latest" or a checkpoint-N folder.')
+    return g
+
+
+def add_logging_args(parser, project_name):
+    g = parser.add_argument_group("logging")
+    g.add_argument("--report_to", default="tensorboard", choices=REPORT_TO, help="Tracker(s) to log to.")
+    g.add_argument("--logging_dir", default="logs", help="Tracker folder, relative to --output_dir.")
+    g.add_argument("--tracker_project_name", default=project_name, help="Project name for the trackers.")
+    g.add_argument("--run_name", default=None, help="Run name for the trackers (default: a timestamp).")
+    g.add_argument("--logging_steps", type=positive_int, default=10, help="Log the loss every N optimizer steps.")
+    return g
+
+
+def check_data_source(args):
+    if args.dataset_name is None and args.train_data_dir is None:
+        raise UserError("give --dataset_name or --train_data_dir")

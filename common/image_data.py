@@ -1,0 +1,149 @@
+"""Image datasets: a hub id, a local dataset or an imagefolder, checked columns, and torch/PIL transforms.
+
+Images are decoded and resized once (kept as uint8 tensors when the set fits in `cache_limit_gb`), so the hot path
+only crops, flips and normalizes tensors; larger sets are decoded per item, in dataloader workers if asked.
+"""
+import io
+import logging
+import os
+
+import numpy as np
+import torch
+from PIL import Image, UnidentifiedImageError
+
+from .cli import UserError
+
+logger = logging.getLogger(__name__)
+
+
+def load_image_dataset(args):
+    """-> (train, eval) `datasets.Dataset`s. eval is `args.eval_split`, else 10% carved from train (fixed seed)."""
+    import datasets
+
+    try:
+        if args.dataset_name is not None:
+            loaded = datasets.load_dataset(args.dataset_name, args.dataset_config_name, cache_dir=args.cache_dir)
+        else:
+            root = args.train_data_dir
+            if not os.path.isdir(root):
+                raise UserError(f"--train_data_dir '{root}' does not exist (run `make data` for the built-in digits)")
+            if not any(files for _, _, files in os.walk(root)):
+                raise UserError(f"--train_data_dir '{root}' holds no files")
+            loaded = datasets.load_dataset("imagefolder", data_dir=root, cache_dir=args.cache_dir)
+    except UserError:
+        raise
+    except Exception as err:  # datasets raises many types for a missing/invalid dataset
+        source = args.dataset_name or args.train_data_dir
+        raise UserError(f"cannot load dataset '{source}': {str(err).splitlines()[0]}") from None
+    if "train" not in loaded:
+        raise UserError(f"dataset has no 'train' split (it has: {', '.join(loaded)})")
+    train = loaded["train"]
+    if len(train) == 0:
+        raise UserError("the dataset's train split is empty")
+    if args.eval_split in loaded:
+        evaluation = loaded[args.eval_split]
+    else:
+        parts = train.train_test_split(test_size=0.1, seed=args.seed)
+        train, evaluation = parts["train"], parts["test"]
+    if args.max_train_samples is not None:
+        train = train.select(range(min(args.max_train_samples, len(train))))
+    return train, evaluation
+
+
+def require_columns(dataset, **columns):
+    """require_columns(ds, image_column="image", ...): one-line error naming the columns that exist."""
+    for flag, name in columns.items():
+        if name not in dataset.column_names:
+            raise UserError(f"--{flag} '{name}' is not a column of the dataset; "
+                            f"columns are: {', '.join(dataset.column_names)}")
+
+
+def label_names(dataset, column):
+    """Class names: a ClassLabel's names, else the sorted distinct values as strings (ids are their positions)."""
+    feature = dataset.features[column]
+    if hasattr(feature, "names"):
+        return list(feature.names)
+    return [str(value) for value in sorted(set(dataset[column]))]
+
+
+def to_rgb(image):
+    """Any PIL mode -> RGB; transparency composited on white, 16-bit scaled to 8-bit."""
+    if image.mode in ("I;16", "I;16B", "I;16L", "I", "F"):
+        array = np.asarray(image, dtype=np.float32)
+        peak = array.max() if array.max() > 255 else 255.0
+        image = Image.fromarray((array * (255.0 / peak)).clip(0, 255).astype(np.uint8), "L")
+    if image.mode == "P" and "transparency" in image.info:
+        image = image.convert("RGBA")
+    if image.mode in ("RGBA", "LA", "PA"):
+        background = Image.new("RGBA", image.size, (255, 255, 255, 255))
+        image = Image.alpha_composite(background, image.convert("RGBA"))
+    return image.convert("RGB")
+
+
+def _open(value):
+    """A datasets Image value (undecoded dict or PIL) -> (PIL image, name for messages)."""
+    if isinstance(value, Image.Image):
+        return value, "image"
+    path, data = value.get("path"), value.get("bytes")
+    name = path or "image bytes"
+    try:
+        image = Image.open(io.BytesIO(data) if data is not None else path)
+        image.load()
+    except (UnidentifiedImageError, OSError) as err:
+        raise UserError(f"cannot read image '{name}': {err}") from None
+    return image, name
+
+
+def resize_shorter_side(image, resolution):
+    """PIL image -> uint8 tensor [3, H, W] with min(H, W) == resolution."""
+    image = to_rgb(image)
+    w, h = image.size
+    scale = resolution / min(w, h)
+    size = (max(resolution, round(w * scale)), max(resolution, round(h * scale)))
+    if size != image.size:
+        image = image.resize(size, Image.BILINEAR)
+    return torch.from_numpy(np.asarray(image).copy()).permute(2, 0, 1)
+
+
+class ImageDataset(torch.utils.data.Dataset):
+    """Items: {"pixel_values": float [3, R, R] normalized, plus `name: values[index]` for each of `columns`}.
+
+    columns: {name: a list or tensor with one entry per image} (labels, token ids, captions...).
+    """
+
+    def __init__(self, dataset, image_column, resolution, center_crop=True, random_flip=False,
+                 mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5), columns=None, cache_limit_gb=4.0):
+        import datasets
+
+        self.images = dataset.cast_column(image_column, datasets.Image(decode=False))[image_column]
+        self.columns = columns or {}
+        self.resolution, self.center_crop, self.random_flip = resolution, center_crop, random_flip
+        self.mean = torch.tensor(mean).view(3, 1, 1) * 255
+        self.std = torch.tensor(std).view(3, 1, 1) * 255
+        self.cache = None
+        if len(self.images) * 3 * resolution * resolution <= cache_limit_gb * 2**30:
+            self.cache = [self._decode(i) for i in range(len(self.images))]
+
+    def _decode(self, index):
+        image, _ = _open(self.images[index])
+        return resize_shorter_side(image, self.resolution)
+
+    def __len__(self):
+        return len(self.images)
+
+    def __getitem__(self, index):
+        pixels = self.cache[index] if self.cache is not None else self._decode(index)
+        r = self.resolution
+        _, h, w = pixels.shape
+        if self.center_crop:
+            top, left = (h - r) // 2, (w - r) // 2
+        else:
+            top = int(torch.randint(0, h - r + 1, ()).item())
+            left = int(torch.randint(0, w - r + 1, ()).item())
+        pixels = pixels[:, top:top + r, left:left + r]
+        if self.random_flip and torch.rand(()) < 0.5:
+            pixels = pixels.flip(-1)
+        item = {"pixel_values": (pixels.float() - self.mean) / self.std}
+        for name, values in self.columns.items():
+            item[name] = values[index]
+        return item
