@@ -9,7 +9,7 @@ HAS_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo yes)
 CONFIG ?= $(if $(HAS_GPU),accelerate_configs/single_gpu.yaml,accelerate_configs/cpu.yaml)
 # accelerate runs several CPU processes only with this variable set (see accelerate_configs/cpu_2proc.yaml).
 LAUNCH_ENV := $(if $(findstring cpu,$(notdir $(CONFIG))),ACCELERATE_USE_CPU=1,)
-LAUNCH := $(LAUNCH_ENV) $(ACCELERATE) launch --config_file $(CONFIG)
+LAUNCH := $(PY) -m common.accelerate_config $(CONFIG) && $(LAUNCH_ENV) $(ACCELERATE) launch --config_file $(CONFIG)
 ARGS ?=
 DIGITS := data/digits/train/metadata.jsonl
 
@@ -18,7 +18,8 @@ DIGITS := data/digits/train/metadata.jsonl
 install: $(VENV)/.installed
 $(VENV)/.installed: requirements.txt
 	test -x $(PY) || python3 -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check --no-compile -r requirements.txt
+	set -o pipefail; $(PY) -m pip install --quiet --disable-pip-version-check --no-compile -r requirements.txt \
+	  2>&1 | { grep -v "is ignored: it is neither a file nor a directory" || true; }
 	touch $@
 
 data: $(DIGITS)

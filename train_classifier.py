@@ -24,7 +24,7 @@ import math
 import os
 import time
 
-from common.args import (add_checkpoint_args, add_data_args, add_logging_args, add_training_args, check_data_source,
+from common.args import (add_checkpoint_args, add_data_args, add_logging_args, add_training_args, check_common_args,
                          make_parser, positive_int)
 from common.cli import UserError, run
 from common.param_groups import parse_lr_groups
@@ -50,11 +50,9 @@ def parse_args(argv=None):
     add_checkpoint_args(parser, checkpointing_steps=500)
     add_logging_args(parser, project_name="train_classifier")
     args = parser.parse_args(argv)
-    check_data_source(args)
+    check_common_args(args)
     if (args.text_column is None) != (args.text_model_name_or_path is None):
         parser.error("--text_column and --text_model_name_or_path go together")
-    if os.path.exists(args.output_dir) and not os.path.isdir(args.output_dir):
-        parser.error(f"--output_dir '{args.output_dir}' is a file; give a folder")
     return args
 
 
@@ -159,7 +157,8 @@ def main(args):
 
     with accelerator.main_process_first():
         train_data = ImageDataset(train_ds, args.image_column, args.resolution, center_crop=args.center_crop,
-                                  random_flip=args.random_flip, mean=mean, std=std, columns=columns(train_ds))
+                                  random_flip=args.random_flip, mean=mean, std=std, columns=columns(train_ds),
+                                  seed=args.seed)
         eval_data = ImageDataset(eval_ds, args.image_column, args.resolution, center_crop=True, mean=mean, std=std,
                                  columns=columns(eval_ds))
     train_dataloader = torch.utils.data.DataLoader(
@@ -209,7 +208,8 @@ def main(args):
     try:
         for epoch in range(first_epoch, num_train_epochs):
             model.train()
-            train_dataloader.set_epoch(epoch)
+            train_dataloader.set_epoch(epoch)  # shuffling order and augmentations: functions of (seed, epoch)
+            train_data.set_epoch(epoch)
             loader = train_dataloader
             if epoch == first_epoch and skip_batches:
                 loader = accelerator.skip_first_batches(train_dataloader, skip_batches)
@@ -259,6 +259,7 @@ def main(args):
             results = write_all_results(
                 args.output_dir, global_step=global_step, start_time=start_time, steps_run=global_step - start_step,
                 samples_per_step=total_batch_size, final_loss=last_loss, device=accelerator.device,
+                num_processes=accelerator.num_processes,
                 metrics={**metrics, f"best_eval_{args.metric_for_best_model}": best_metric})
             write_model_card(
                 args.output_dir, "Image classifier trained with train_classifier.py",

@@ -116,6 +116,18 @@ def add_logging_args(parser, project_name):
     return g
 
 
-def check_data_source(args):
-    if args.dataset_name is None and args.train_data_dir is None:
-        raise UserError("give --dataset_name or --train_data_dir")
+def check_common_args(args):
+    """Checks that need no heavy import, so a mistake is reported before torch loads."""
+    import os
+
+    from .checkpoints import resolve_resume
+
+    if args.dataset_name is None:
+        root = args.train_data_dir
+        if not os.path.isdir(root):
+            raise UserError(f"--train_data_dir '{root}' does not exist (run `make data` for the built-in digits)")
+        if not any(files for _, _, files in os.walk(root)):
+            raise UserError(f"--train_data_dir '{root}' holds no files")
+    if os.path.exists(args.output_dir) and not os.path.isdir(args.output_dir):
+        raise UserError(f"--output_dir '{args.output_dir}' is a file; give a folder")
+    resolve_resume(args.resume_from_checkpoint, args.output_dir)

@@ -16,20 +16,16 @@ from .cli import UserError
 logger = logging.getLogger(__name__)
 
 
-def load_image_dataset(args):
-    """-> (train, eval) `datasets.Dataset`s. eval is `args.eval_split`, else 10% carved from train (fixed seed)."""
+def load_image_dataset(args, carve_eval=True):
+    """-> (train, eval) `datasets.Dataset`s. eval is `args.eval_split`, else 10% carved from train (fixed seed),
+    else None when `carve_eval` is False (training that evaluates nothing keeps all its data)."""
     import datasets
 
     try:
         if args.dataset_name is not None:
             loaded = datasets.load_dataset(args.dataset_name, args.dataset_config_name, cache_dir=args.cache_dir)
         else:
-            root = args.train_data_dir
-            if not os.path.isdir(root):
-                raise UserError(f"--train_data_dir '{root}' does not exist (run `make data` for the built-in digits)")
-            if not any(files for _, _, files in os.walk(root)):
-                raise UserError(f"--train_data_dir '{root}' holds no files")
-            loaded = datasets.load_dataset("imagefolder", data_dir=root, cache_dir=args.cache_dir)
+            loaded = datasets.load_dataset("imagefolder", data_dir=args.train_data_dir, cache_dir=args.cache_dir)
     except UserError:
         raise
     except Exception as err:  # datasets raises many types for a missing/invalid dataset
@@ -40,9 +36,10 @@ def load_image_dataset(args):
     train = loaded["train"]
     if len(train) == 0:
         raise UserError("the dataset's train split is empty")
+    evaluation = None
     if args.eval_split in loaded:
         evaluation = loaded[args.eval_split]
-    else:
+    elif carve_eval:
         parts = train.train_test_split(test_size=0.1, seed=args.seed)
         train, evaluation = parts["train"], parts["test"]
     if args.max_train_samples is not None:
@@ -109,10 +106,13 @@ class ImageDataset(torch.utils.data.Dataset):
     """Items: {"pixel_values": float [3, R, R] normalized, plus `name: values[index]` for each of `columns`}.
 
     columns: {name: a list or tensor with one entry per image} (labels, token ids, captions...).
+    Random crops and flips are drawn from (seed, epoch, index), not from the global RNG: the dataloader fetches
+    ahead of the step, so global draws made here would differ between an uninterrupted and a resumed run.
+    Call `set_epoch` at the start of every epoch.
     """
 
     def __init__(self, dataset, image_column, resolution, center_crop=True, random_flip=False,
-                 mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5), columns=None, cache_limit_gb=4.0):
+                 mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5), columns=None, seed=0, cache_limit_gb=4.0):
         import datasets
 
         self.images = dataset.cast_column(image_column, datasets.Image(decode=False))[image_column]
@@ -120,6 +120,7 @@ class ImageDataset(torch.utils.data.Dataset):
         self.resolution, self.center_crop, self.random_flip = resolution, center_crop, random_flip
         self.mean = torch.tensor(mean).view(3, 1, 1) * 255
         self.std = torch.tensor(std).view(3, 1, 1) * 255
+        self.seed, self.epoch = seed, 0
         self.cache = None
         if len(self.images) * 3 * resolution * resolution <= cache_limit_gb * 2**30:
             self.cache = [self._decode(i) for i in range(len(self.images))]
@@ -128,6 +129,20 @@ class ImageDataset(torch.utils.data.Dataset):
         image, _ = _open(self.images[index])
         return resize_shorter_side(image, self.resolution)
 
+    def set_epoch(self, epoch):
+        self.epoch = epoch
+
+    def augmentation(self, index, h, w):
+        """(top, left, flip) of item `index` (an h x w image) in the current epoch."""
+        r = self.resolution
+        rng = torch.Generator().manual_seed(hash((self.seed, self.epoch, index)) & 0xFFFF_FFFF_FFFF)
+        if self.center_crop:
+            top, left = (h - r) // 2, (w - r) // 2
+        else:
+            top = int(torch.randint(0, h - r + 1, (), generator=rng))
+            left = int(torch.randint(0, w - r + 1, (), generator=rng))
+        return top, left, bool(self.random_flip and torch.rand((), generator=rng) < 0.5)
+
     def __len__(self):
         return len(self.images)
 
@@ -135,13 +150,9 @@ class ImageDataset(torch.utils.data.Dataset):
         pixels = self.cache[index] if self.cache is not None else self._decode(index)
         r = self.resolution
         _, h, w = pixels.shape
-        if self.center_crop:
-            top, left = (h - r) // 2, (w - r) // 2
-        else:
-            top = int(torch.randint(0, h - r + 1, ()).item())
-            left = int(torch.randint(0, w - r + 1, ()).item())
+        top, left, flip = self.augmentation(index, h, w)
         pixels = pixels[:, top:top + r, left:left + r]
-        if self.random_flip and torch.rand(()) < 0.5:
+        if flip:
             pixels = pixels.flip(-1)
         item = {"pixel_values": (pixels.float() - self.mean) / self.std}
         for name, values in self.columns.items():

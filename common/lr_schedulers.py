@@ -4,7 +4,6 @@ A scheduler passed through `accelerator.prepare` steps once per process for ever
 on accumulation steps), so every length given to the underlying scheduler is multiplied by `num_processes`.
 """
 import torch
-from diffusers.optimization import get_scheduler
 
 
 
@@ -13,6 +12,8 @@ def build_lr_scheduler(name, optimizer, num_warmup_steps, num_training_steps, nu
     """Build scheduler `name`; steps are optimizer steps of the whole run (not counting processes)."""
     warmup = num_warmup_steps * num_processes
     if name != "warmup_cosine":
+        from diffusers.optimization import get_scheduler  # importing diffusers costs seconds: only when needed
+
         return get_scheduler(name, optimizer, num_warmup_steps=warmup,
                              num_training_steps=num_training_steps * num_processes)
     # The seed notes' warm-up -> cosine: LR is start_factor*lr at step 0, lr at step `num_warmup_steps`,

@@ -17,7 +17,7 @@ def peak_memory_mb(device=None):
 
 
 def write_all_results(output_dir, *, global_step, start_time, steps_run, samples_per_step, final_loss, device,
-                      metrics=None):
+                      num_processes=1, metrics=None):
     """steps_run counts the optimizer steps of this process's lifetime (a resumed run counts only its own)."""
     runtime = time.time() - start_time
     results = {
@@ -27,6 +27,7 @@ def write_all_results(output_dir, *, global_step, start_time, steps_run, samples
         "train_samples_per_second": round(steps_run * samples_per_step / runtime, 3) if runtime > 0 else None,
         "peak_memory_mb": round(peak_memory_mb(device), 1),
         "final_loss": final_loss,
+        "num_processes": num_processes,
         **(metrics or {}),
     }
     path = os.path.join(output_dir, "all_results.json")

@@ -1,0 +1,47 @@
+"""Stable Diffusion bases: a one-line error for a folder that is not one, and lora_info.json, which ties a LoRA to
+its base so that sample.py finds the base from the LoRA alone."""
+import json
+import os
+
+from .cli import UserError
+
+LORA_INFO = "lora_info.json"
+LORA_WEIGHTS = "pytorch_lora_weights.safetensors"  # diffusers' name: pipe.load_lora_weights(folder) finds it
+PARTS = ("unet", "vae", "text_encoder", "tokenizer", "scheduler")
+TINY_HINT = "`make tiny-sd` writes an offline tiny one to models/tiny-sd"
+
+
+def check_sd_pipeline(path, flag):
+    """A local folder must hold a StableDiffusionPipeline; anything else must look like a hub id (owner/name)."""
+    if os.path.isdir(path):
+        missing = [part for part in ("model_index.json", *PARTS) if not os.path.exists(os.path.join(path, part))]
+        if missing:
+            raise UserError(f"{flag} '{path}' is not a Stable Diffusion pipeline folder "
+                            f"(no {', '.join(missing)}); {TINY_HINT}")
+    elif os.path.exists(path) or path.count("/") != 1 or path.startswith((".", "/")):
+        raise UserError(f"{flag} '{path}' is neither a pipeline folder nor a hub id; {TINY_HINT}")
+
+
+def load_error(flag, path, err):
+    """UserError for a pipeline (part) that failed to load: the first line of the cause, and what to try."""
+    first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+    hint = TINY_HINT if not os.path.isdir(path) else "is it a complete Stable Diffusion pipeline?"
+    return UserError(f"{flag}: cannot load Stable Diffusion from '{path}': {first} ({hint})")
+
+
+def write_lora_info(folder, info):
+    """info: base_model, revision, variant, rank, lora_alpha, target_modules, ... (JSON-able)."""
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, LORA_INFO)
+    with open(path + ".tmp", "w") as f:
+        json.dump(info, f, indent=2)
+    os.replace(path + ".tmp", path)
+
+
+def read_lora_info(folder):
+    """The lora_info.json of a train_lora.py output or checkpoint folder, or None."""
+    path = os.path.join(folder, LORA_INFO)
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        return json.load(f)

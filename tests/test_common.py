@@ -1,0 +1,182 @@
+"""Unit tests of the common/ helpers (no subprocess, no accelerate launch)."""
+import glob
+import json
+import os
+from argparse import Namespace
+
+import pytest
+import torch
+from PIL import Image
+
+from common.accelerate_config import check as check_accelerate_config
+from common.checkpoints import list_checkpoints, resolve_resume, save_checkpoint
+from common.cli import UserError
+from common.image_data import ImageDataset, label_names, load_image_dataset, require_columns, to_rgb
+from common.param_groups import build_param_groups, parse_lr_groups
+from common.trackers import sanitize_config
+from common.training_steps import plan_steps, resume_position
+from conftest import CONFIGS
+
+
+def test_digits_imagefolder(digits):
+    for split, count in (("train", 1437), ("test", 360)):
+        rows = [json.loads(line) for line in (digits / split / "metadata.jsonl").read_text().splitlines()]
+        assert len(rows) == count
+        assert set(rows[0]) == {"file_name", "label", "text"}
+        assert {r["label"] for r in rows} == set(range(10))
+        image = Image.open(digits / split / rows[0]["file_name"])
+        assert image.mode == "RGB" and image.size == (32, 32)
+    counts = [sum(json.loads(line)["label"] == c for line in (digits / "test/metadata.jsonl").read_text().splitlines())
+              for c in range(10)]
+    assert max(counts) - min(counts) <= 2  # stratified
+    assert rows[0]["text"].startswith("a handwritten digit ")
+
+
+def _data_args(**kw):
+    return Namespace(**{"dataset_name": None, "dataset_config_name": None, "train_data_dir": None, "cache_dir": None,
+                        "eval_split": "test", "seed": 0, "max_train_samples": None, **kw})
+
+
+def test_loader_reads_imagefolder_and_checks_columns(digits):
+    train, evaluation = load_image_dataset(_data_args(train_data_dir=str(digits), max_train_samples=50))
+    assert len(train) == 50 and len(evaluation) == 360
+    assert label_names(evaluation, "label") == [str(i) for i in range(10)]
+    require_columns(train, image_column="image", label_column="label")
+    with pytest.raises(UserError, match="'caption' is not a column.*columns are: image, label, text"):
+        require_columns(train, caption_column="caption")
+
+
+def test_images_of_every_mode_become_rgb():
+    for mode in ("L", "LA", "RGBA", "P", "I;16", "RGB", "CMYK"):
+        image = Image.new(mode, (5, 7))
+        assert to_rgb(image).mode == "RGB"
+    transparent = Image.new("RGBA", (2, 2), (0, 0, 0, 0))
+    assert to_rgb(transparent).getpixel((0, 0)) == (255, 255, 255)  # composited on white
+    sixteen = Image.new("I;16", (2, 2), 65535)
+    assert to_rgb(sixteen).getpixel((0, 0)) == (255, 255, 255)
+
+
+def test_dataset_transforms_are_reproducible_per_epoch(tmp_path):
+    import datasets
+
+    paths = []
+    for i, mode in enumerate(("L", "RGBA", "P", "RGB")):
+        path = tmp_path / f"{i}.png"
+        Image.new(mode, (40, 30)).save(path)
+        paths.append(str(path))
+    ds = datasets.Dataset.from_dict({"image": paths}).cast_column("image", datasets.Image())
+    data = ImageDataset(ds, "image", 16, center_crop=False, random_flip=True, columns={"i": list(range(4))})
+    assert data[0]["pixel_values"].shape == (3, 16, 16) and data[0]["pixel_values"].dtype == torch.float32
+    first = [data[i]["pixel_values"] for i in range(4)]
+    assert all(torch.equal(a, data[i]["pixel_values"]) for i, a in enumerate(first))  # same epoch: same crops
+    torch.manual_seed(123)  # the global RNG plays no part
+    assert all(torch.equal(a, data[i]["pixel_values"]) for i, a in enumerate(first))
+    assert data[2]["i"] == 2
+
+
+def test_param_groups_prefixes_and_no_decay():
+    model = torch.nn.Sequential()
+    model.add_module("image_model", torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4)))
+    model.add_module("text_model", torch.nn.Linear(4, 4))
+    model.add_module("head", torch.nn.Linear(8, 2))
+    groups = {g["name"]: g for g in build_param_groups(model, 1e-3, 0.1, parse_lr_groups("image_model=2e-5,text_model=4e-5"))}
+    assert groups["image_model"]["lr"] == 2e-5 and groups["image_model"]["weight_decay"] == 0.1
+    assert groups["image_model/no_decay"]["weight_decay"] == 0.0
+    assert len(groups["image_model/no_decay"]["params"]) == 3  # linear bias, norm weight, norm bias
+    assert groups["text_model"]["lr"] == 4e-5 and groups["default"]["lr"] == 1e-3
+    assert sum(len(g["params"]) for g in groups.values()) == len(list(model.parameters()))
+    with pytest.raises(UserError, match="no module named 'vision'.*image_model, text_model, head"):
+        build_param_groups(model, 1e-3, 0.1, {"vision": 1e-4})
+    for bad in ("image_model", "image_model=abc", "=1e-3", "x=-1"):
+        with pytest.raises(UserError, match="--lr_groups"):
+            parse_lr_groups(bad)
+
+
+def test_tracker_config_is_tensorboard_safe():
+    clean = sanitize_config({"a": None, "b": [1, 2], "c": 1.5, "d": True, "e": {"x": 1}, "f": "s"})
+    assert clean == {"a": "none", "b": "1,2", "c": 1.5, "d": True, "e": "{'x': 1}", "f": "s"}
+
+
+def test_step_accounting():
+    assert plan_steps(23, 1, 15) == (23, 345, 15)
+    assert plan_steps(23, 4, 2) == (6, 12, 2)  # the short last cycle still steps
+    assert plan_steps(23, 4, 2, max_train_steps=7) == (6, 7, 2)
+    assert resume_position(8, 6, 4) == (1, 8)
+
+
+class _FakeAccelerator:
+    """Stands in for one process: save_state writes a file, like accelerate's does."""
+    is_main_process = True
+
+    def wait_for_everyone(self):
+        pass
+
+    def save_state(self, path):
+        os.makedirs(path, exist_ok=True)
+        with open(os.path.join(path, "state.bin"), "w") as f:
+            f.write("x")
+
+
+def test_checkpoint_rotation_and_atomic_names(tmp_path):
+    out = str(tmp_path)
+    for step in (10, 20, 30):
+        save_checkpoint(_FakeAccelerator(), out, step, total_limit=2)
+    assert [os.path.basename(p) for p in list_checkpoints(out)] == ["checkpoint-20", "checkpoint-30"]
+    assert json.loads((tmp_path / "checkpoint-30/checkpoint_info.json").read_text())["global_step"] == 30
+    (tmp_path / "checkpoint-40.tmp").mkdir()  # a save that was interrupted
+    assert resolve_resume("latest", out).endswith("checkpoint-30")
+    assert resolve_resume("checkpoint-20", out).endswith("checkpoint-20")
+    assert resolve_resume("latest", str(tmp_path / "empty")) is None
+    with pytest.raises(UserError, match="no checkpoint at 'checkpoint-99'"):
+        resolve_resume("checkpoint-99", out)
+    save_checkpoint(_FakeAccelerator(), out, 40, total_limit=2)  # the stale .tmp is replaced, not kept
+    assert not (tmp_path / "checkpoint-40.tmp").exists() and (tmp_path / "checkpoint-40/state.bin").exists()
+
+
+def test_every_accelerate_config_loads_with_accelerate():
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    files = sorted(glob.glob(str(CONFIGS / "*.yaml")))
+    assert len(files) >= 9
+    for path in files:
+        assert check_accelerate_config(path) is None
+        config = load_config_from_file(path)
+        assert config.num_processes >= 1
+    assert load_config_from_file(str(CONFIGS / "cpu_2proc.yaml")).num_processes == 2
+
+
+def test_unreadable_accelerate_config(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("distributed_type: [oops\n  : :")
+    assert "cannot be read" in check_accelerate_config(str(bad))
+    bad.write_text("- a list\n")
+    assert "not an accelerate config" in check_accelerate_config(str(bad))
+    assert "does not exist" in check_accelerate_config(str(tmp_path / "missing.yaml"))
+
+
+def test_state_hooks_write_from_pretrained_folders_and_restore(tmp_path):
+    from accelerate import Accelerator
+    from transformers import ResNetConfig, ResNetForImageClassification
+
+    from common.state_hooks import register_state_hooks
+
+    accelerator = Accelerator(cpu=True)
+    pretrained = ResNetForImageClassification(ResNetConfig(embedding_size=8, hidden_sizes=[8], depths=[1]))
+    plain = torch.nn.Linear(3, 2)
+    extra = {}
+    pretrained, plain = accelerator.prepare(pretrained, plain)
+    register_state_hooks(accelerator, {"classifier": pretrained, "head": plain},
+                         extra_save=lambda d: extra.setdefault("saved", d), extra_load=lambda d: extra.setdefault("loaded", d))
+    saved = {k: v.clone() for k, v in {**pretrained.state_dict(), **plain.state_dict()}.items()}
+    accelerator.save_state(str(tmp_path / "ckpt"))
+    assert (tmp_path / "ckpt/classifier/config.json").exists()
+    assert (tmp_path / "ckpt/classifier/model.safetensors").exists()
+    assert (tmp_path / "ckpt/head/model.safetensors").exists()
+    assert not (tmp_path / "ckpt/model.safetensors").exists()  # popped: not written twice
+    with torch.no_grad():
+        for p in list(pretrained.parameters()) + list(plain.parameters()):
+            p.add_(1.0)
+    accelerator.load_state(str(tmp_path / "ckpt"))
+    restored = {**pretrained.state_dict(), **plain.state_dict()}
+    assert all(torch.equal(saved[k], restored[k]) for k in saved)
+    assert extra == {"saved": str(tmp_path / "ckpt"), "loaded": str(tmp_path / "ckpt")}
