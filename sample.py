@@ -93,7 +93,67 @@ def model_kind(path):
 
 
 def sample_ddpm(args):
-    raise UserError("DDPM sampling is not implemented yet")
+    """A train_ddpm.py output or checkpoint-N: unet_ema/ (unless --no_ema) or unet/, scheduler/, labels.json."""
+    import torch
+    from diffusers import DDPMScheduler, UNet2DModel
+
+    from common.ddpm_sampling import (DEFAULT_GUIDANCE_SCALE, DEFAULT_INFERENCE_STEPS, DEFAULT_SCHEDULER,
+                                      make_scheduler, sample_images, to_pil)
+
+    if args.prompt or args.lora:
+        raise UserError(f"--prompt/--lora are for Stable Diffusion; '{args.model}' is a train_ddpm.py model "
+                        "(use --class_label)")
+    ema = not args.no_ema and os.path.isdir(os.path.join(args.model, "unet_ema"))
+    unet_dir = os.path.join(args.model, "unet_ema" if ema else "unet")
+    try:
+        unet = UNet2DModel.from_pretrained(unet_dir)
+        scheduler_config = DDPMScheduler.load_config(os.path.join(args.model, "scheduler"))
+    except (OSError, ValueError) as err:
+        raise UserError(f"--model '{args.model}' is not a train_ddpm.py output: {str(err).splitlines()[0]}") from None
+
+    # Class-conditional models: one row of --num_images per requested class; the null class is the last id.
+    num_classes = (unet.config.num_class_embeds or 1) - 1
+    class_ids, names = None, []
+    if num_classes > 0:
+        names = [str(i) for i in range(num_classes)]
+        if os.path.isfile(os.path.join(args.model, "labels.json")):
+            with open(os.path.join(args.model, "labels.json")) as f:
+                names = [str(name) for name in json.load(f)]
+        requested = args.class_label or ["all"]
+        ids = []
+        for label in requested:
+            if label == "all":
+                ids += range(num_classes)
+            elif label in names:
+                ids.append(names.index(label))
+            elif label.isdigit() and int(label) < num_classes:
+                ids.append(int(label))
+            else:
+                raise UserError(f"--class_label '{label}' is not a class of this model; its classes are: "
+                                f"{', '.join(names)} (or ids 0-{num_classes - 1}, or 'all')")
+        class_ids = torch.tensor(ids).repeat_interleave(args.num_images)
+    elif args.class_label:
+        raise UserError(f"--class_label: '{args.model}' is unconditional (trained without --class_column)")
+
+    scheduler_name = args.scheduler or DEFAULT_SCHEDULER
+    steps = args.num_inference_steps or DEFAULT_INFERENCE_STEPS
+    guidance = args.guidance_scale if args.guidance_scale is not None else DEFAULT_GUIDANCE_SCALE
+    device, dtype = choose_device_and_dtype(args)
+    unet.to(device, dtype).eval()
+    count = len(class_ids) if class_ids is not None else args.num_images
+    images = sample_images(unet, make_scheduler(scheduler_name, scheduler_config), count, class_labels=class_ids,
+                           null_class=num_classes, guidance_scale=guidance, num_inference_steps=steps,
+                           batch_size=args.batch_size, generator=torch.Generator().manual_seed(args.seed))
+    common = {"model": args.model, "weights": "ema" if ema else "raw", "seed": args.seed,
+              "scheduler": scheduler_name, "num_inference_steps": steps}
+    params = []
+    for i in range(count):
+        p = {**common, "index": i}
+        if class_ids is not None:
+            p.update(class_label=names[class_ids[i]], class_id=int(class_ids[i]), guidance_scale=guidance)
+        params.append(p)
+    ncol = args.num_images if class_ids is not None else max(1, round(count ** 0.5))
+    return save_images(to_pil(images), params, args.output_dir or os.path.join(args.model, "samples"), ncol)
 
 
 def sample_sd(args):

@@ -30,7 +30,8 @@ class ClassifierScorer:
             with open(os.path.join(path, "preprocessor_config.json")) as f:
                 processor = json.load(f)
         size = processor.get("size", {})
-        self.size = (size.get("height", size.get("shortest_edge", 224)), size.get("width", size.get("shortest_edge", 224)))
+        side = size.get("shortest_edge", 224)
+        self.size = (size.get("height", side), size.get("width", side))
         self.mean = torch.tensor(processor.get("image_mean", [0.5] * 3), device=device).view(1, -1, 1, 1)
         self.std = torch.tensor(processor.get("image_std", [0.5] * 3), device=device).view(1, -1, 1, 1)
         self.device = device

@@ -7,8 +7,6 @@ last class id, learned through class dropout); at w = 1 only the conditional pas
 """
 import inspect
 
-import torch
-
 # The defaults of train_ddpm.py's validation and of sample.py: DDIM in 50 steps, guidance chosen by measurement on
 # the digits demo (accuracy of a separate classifier on the samples; table in the README).
 DEFAULT_SCHEDULER = "ddim"
@@ -29,7 +27,6 @@ def make_scheduler(name, config):
     return getattr(diffusers, SCHEDULER_CLASSES[name]).from_config(config)
 
 
-@torch.no_grad()
 def sample_images(unet, scheduler, num_images, *, class_labels=None, null_class=None, guidance_scale=1.0,
                   num_inference_steps=DEFAULT_INFERENCE_STEPS, batch_size=64, generator=None):
     """-> float tensor [num_images, C, H, W] in [0, 1] on the CPU.
@@ -37,6 +34,8 @@ def sample_images(unet, scheduler, num_images, *, class_labels=None, null_class=
     class_labels: ids (one per image) for a class-conditional UNet, None for an unconditional one.
     null_class: the id the model learned as "no class" (needed when guidance_scale != 1).
     """
+    import torch  # here, not at the top: the scripts import this module's defaults before parsing their flags
+
     device, dtype = unet.device, unet.dtype
     channels, size = unet.config.in_channels, unet.config.sample_size
     guided = class_labels is not None and guidance_scale != 1.0
@@ -55,7 +54,8 @@ def sample_images(unet, scheduler, num_images, *, class_labels=None, null_class=
             model_input = scheduler.scale_model_input(sample, t)
             if guided:
                 model_input = torch.cat([model_input, model_input])
-            prediction = unet(model_input.to(dtype), t, class_labels=labels).sample.float()
+            with torch.no_grad():
+                prediction = unet(model_input.to(dtype), t, class_labels=labels).sample.float()
             if guided:
                 cond, uncond = prediction.chunk(2)
                 prediction = uncond + guidance_scale * (cond - uncond)
@@ -66,6 +66,7 @@ def sample_images(unet, scheduler, num_images, *, class_labels=None, null_class=
 
 def to_pil(images):
     """[N, C, H, W] floats in [0, 1] -> N PIL images (RGB, or L for one channel)."""
+    import torch
     from PIL import Image
 
     array = (images * 255).round().to(torch.uint8).permute(0, 2, 3, 1).numpy()

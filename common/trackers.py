@@ -45,3 +45,16 @@ def init_trackers(accelerator, args):
         config=sanitize_config(vars(args)),
         init_kwargs={"wandb": {"name": run_name, "dir": logging_dir}},
     )
+
+
+def log_image(accelerator, tag, image, step):
+    """Log one PIL image (a validation grid) to every active tracker; call it on the main process."""
+    import numpy as np
+
+    for tracker in accelerator.trackers:
+        if tracker.name == "tensorboard":
+            tracker.writer.add_image(tag, np.asarray(image), step, dataformats="HWC")
+        elif tracker.name == "wandb":
+            import wandb
+
+            tracker.log({tag: wandb.Image(image)}, step=step)

@@ -135,3 +135,42 @@ def test_unreadable_accelerate_yaml_through_make(tmp_path):
                           env=offline_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode != 0 and "Traceback" not in proc.stderr
     assert f"error: accelerate config '{bad}' cannot be read" in proc.stderr
+
+
+@pytest.fixture(scope="module")
+def tiny_text_model(tmp_path_factory):
+    """A 2-layer BERT and a WordPiece tokenizer whose vocabulary our own code writes."""
+    from transformers import BertConfig, BertModel, BertTokenizer
+
+    from common.digits_data import NAMES
+
+    path = tmp_path_factory.mktemp("text") / "tiny-bert"
+    path.mkdir()
+    words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "a", "handwritten", "digit", *NAMES]
+    (path / "vocab.txt").write_text("\n".join(words) + "\n")
+    BertTokenizer(vocab=str(path / "vocab.txt")).save_pretrained(path)
+    config = BertConfig(vocab_size=len(words), hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                        intermediate_size=32, max_position_embeddings=32)
+    BertModel(config).save_pretrained(path)
+    return path
+
+
+def test_image_text_classifier_with_per_module_learning_rates(digits, tiny_text_model, tmp_path):
+    import torch
+
+    from common.image_text_model import ImageTextClassifier
+
+    out = tmp_path / "fusion"
+    launch("train_classifier.py", "--train_data_dir", digits, "--output_dir", out, "--text_column", "text",
+           "--text_model_name_or_path", tiny_text_model, "--lr_groups", "image_model=1e-3,text_model=4e-3",
+           "--max_train_samples", "128", "--train_batch_size", "32", "--max_train_steps", "8", "--report_to", "none",
+           "--lr_scheduler", "constant")
+    results = read_results(out)
+    assert results["global_step"] == 8
+    assert results["eval_accuracy"] > 0.5  # the caption names the digit: the text branch learns it fast
+    model = ImageTextClassifier.from_pretrained(out)
+    assert model.id2label[3] == "3" and isinstance(model.head, torch.nn.Linear)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(out / "text_model")  # the tokenizer travels with the model
+    assert tokenizer("a handwritten digit three")["input_ids"][1:-1] == [5, 6, 7, 11]

@@ -1,0 +1,457 @@
+#!/usr/bin/env python
+"""Train a DDPM from scratch, unconditional or class-conditional with classifier-free guidance.
+
+The DDPM part of the seed notes, complete: `DDPMScheduler.add_noise` at random timesteps, the UNet predicting the
+noise (or v, or the clean image), MSE (min-SNR weighted if asked), an EMA of the weights, class dropout so that one
+model learns the conditional and the unconditional prediction (guidance: uncond + w * (cond - uncond)), validation
+grids drawn with a fast sampler (DDIM/DPM-Solver) and scored by a train_classifier.py classifier when given,
+resumable checkpoints, and an output that `DDPMPipeline.from_pretrained` loads (sample.py draws from it).
+
+Built-in demo (scikit-learn's digits, a row per digit, a 1 M-parameter UNet from scratch, CPU, ~6 minutes):
+    make train-ddpm && make sample-ddpm
+One GPU:
+    accelerate launch --config_file accelerate_configs/single_gpu.yaml train_ddpm.py --class_column label --use_ema
+Several GPUs (or `make train-ddpm CONFIG=accelerate_configs/multi_gpu.yaml`):
+    accelerate launch --config_file accelerate_configs/multi_gpu.yaml train_ddpm.py --class_column label --use_ema
+A hub dataset (CIFAR-10, class-conditional, 32 px, a bigger UNet):
+    accelerate launch --config_file accelerate_configs/single_gpu.yaml train_ddpm.py \
+        --dataset_name uoft-cs/cifar10 --image_column img --class_column label --resolution 32 --random_flip \
+        --block_out_channels 128,256,256,256 --layers_per_block 2 --train_batch_size 128 --num_train_epochs 300 \
+        --learning_rate 2e-4 --lr_warmup_steps 1000 --use_ema --ema_max_decay 0.9999 --mixed_precision bf16
+"""
+import contextlib
+import json
+import math
+import os
+import time
+
+from common.args import (add_checkpoint_args, add_data_args, add_logging_args, add_training_args, check_common_args,
+                         make_parser, positive_float, positive_int, probability)
+from common.cli import UserError, run
+from common.ddpm_sampling import (DEFAULT_GUIDANCE_SCALE, DEFAULT_INFERENCE_STEPS, DEFAULT_SCHEDULER,
+                                  SCHEDULER_CLASSES)
+
+
+def channel_list(text):
+    channels = tuple(int(c) for c in text.split(","))
+    if not channels or min(channels) <= 0:
+        raise ValueError
+    return channels
+
+
+channel_list.__name__ = "comma-separated list of positive integers"
+
+
+def parse_args(argv=None):
+    parser = make_parser(__doc__.splitlines()[0])
+    g = add_data_args(parser, resolution=16)
+    g.add_argument("--class_column", default=None, help="Train class-conditional on this column (else unconditional).")
+    g.add_argument("--class_dropout_prob", type=probability, default=0.1,
+                   help="Share of labels replaced by the null class, so the model also learns the unconditional "
+                        "prediction that classifier-free guidance needs.")
+    g = parser.add_argument_group("model")
+    g.add_argument("--model_config_name_or_path", default=None, help="UNet2DModel config (json file or folder).")
+    g.add_argument("--pretrained_model_name_or_path", default=None,
+                   help="Continue from a UNet2DModel or a DDPM pipeline (folder with unet/).")
+    g.add_argument("--block_out_channels", type=channel_list, default=(32, 64, 64),
+                   help="Default UNet: channels per level (each level but the last halves the resolution; "
+                        "self-attention at the last level).")
+    g.add_argument("--layers_per_block", type=positive_int, default=1, help="Default UNet: ResNet blocks per level.")
+    g = parser.add_argument_group("diffusion")
+    g.add_argument("--ddpm_num_steps", type=positive_int, default=1000, help="Training timesteps.")
+    g.add_argument("--ddpm_beta_schedule", default="linear", choices=["linear", "scaled_linear", "squaredcos_cap_v2"])
+    g.add_argument("--ddpm_beta_start", type=positive_float, default=1e-4)
+    g.add_argument("--ddpm_beta_end", type=positive_float, default=0.02)
+    g.add_argument("--prediction_type", default="epsilon", choices=["epsilon", "v_prediction", "sample"])
+    g.add_argument("--snr_gamma", type=positive_float, default=None, help="Min-SNR loss weighting (5.0 is usual).")
+    g.add_argument("--use_ema", action="store_true", help="Keep an EMA of the weights; it is what gets exported.")
+    g.add_argument("--ema_max_decay", type=probability, default=0.9999)
+    g.add_argument("--ema_inv_gamma", type=positive_float, default=1.0,
+                   help="EMA warm-up: decay = 1 - (1 + step / inv_gamma) ** -power, at most --ema_max_decay.")
+    g.add_argument("--ema_power", type=positive_float, default=3 / 4)
+    g = parser.add_argument_group("validation")
+    g.add_argument("--validation_steps", type=positive_int, default=1000,
+                   help="Sample a grid every N optimizer steps, and at the end.")
+    g.add_argument("--num_validation_images", type=positive_int, default=20,
+                   help="Per class (a row each), or in all for an unconditional model.")
+    g.add_argument("--validation_scheduler", default=DEFAULT_SCHEDULER, choices=sorted(SCHEDULER_CLASSES))
+    g.add_argument("--validation_inference_steps", type=positive_int, default=DEFAULT_INFERENCE_STEPS)
+    g.add_argument("--guidance_scale", type=float, default=DEFAULT_GUIDANCE_SCALE,
+                   help="Classifier-free guidance for the validation samples (1: plain conditional).")
+    g.add_argument("--eval_batch_size", type=positive_int, default=200, help="Images sampled per batch.")
+    g.add_argument("--eval_classifier", default=None,
+                   help="A train_classifier.py output: log sample accuracy and the Fréchet distance of its features.")
+    add_training_args(parser, output_dir="outputs/ddpm", learning_rate=2e-3, train_batch_size=64,
+                      num_train_epochs=90, lr_scheduler="warmup_cosine", lr_warmup_steps=100, adam_weight_decay=1e-6)
+    add_checkpoint_args(parser, checkpointing_steps=500)
+    add_logging_args(parser, project_name="train_ddpm")
+    args = parser.parse_args(argv)
+    check_common_args(args)
+    if args.model_config_name_or_path and args.pretrained_model_name_or_path:
+        parser.error("give --model_config_name_or_path or --pretrained_model_name_or_path, not both")
+    if args.ddpm_beta_end <= args.ddpm_beta_start:
+        parser.error("--ddpm_beta_end must be larger than --ddpm_beta_start")
+    return args
+
+
+def main(args):
+    import torch
+    import torch.nn.functional as F
+    from accelerate import Accelerator
+    from accelerate.logging import get_logger
+    from accelerate.utils import DataLoaderConfiguration, ProjectConfiguration, set_seed
+    from diffusers import DDPMPipeline, DDPMScheduler, UNet2DModel
+    from diffusers.training_utils import EMAModel, compute_snr
+    from tqdm.auto import tqdm
+
+    from common.checkpoints import checkpoint_step, resolve_resume, save_checkpoint
+    from common.classifier_metrics import ClassifierScorer
+    from common.image_data import ImageDataset, label_names, load_image_dataset, require_columns
+    from common.lr_schedulers import build_lr_scheduler
+    from common.model_card import write_model_card
+    from common.param_groups import build_param_groups
+    from common.run_summary import write_all_results
+    from common.state_hooks import register_state_hooks
+    from common.trackers import init_trackers, log_with
+    from common.training_steps import plan_steps, resume_position
+
+    # 1. Accelerator: mixed precision from --mixed_precision, else from the accelerate config.
+    accelerator = Accelerator(
+        mixed_precision=args.mixed_precision,
+        gradient_accumulation_steps=args.gradient_accumulation_steps,
+        log_with=log_with(args.report_to),
+        project_config=ProjectConfiguration(project_dir=args.output_dir,
+                                            logging_dir=os.path.join(args.output_dir, args.logging_dir)),
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),  # same order on resume
+    )
+    logger = get_logger(__name__, log_level="INFO")
+    set_seed(args.seed)
+    if args.allow_tf32:
+        torch.backends.cuda.matmul.allow_tf32 = True
+
+    # 2. Data: images decoded once, scaled to [-1, 1]; class names -> ids (the null class is the id after the last).
+    train_ds, eval_ds = load_image_dataset(args, carve_eval=args.eval_classifier is not None)  # eval: real images
+    require_columns(train_ds, image_column=args.image_column,
+                    **({"class_column": args.class_column} if args.class_column else {}))
+    labels = label_names(train_ds, args.class_column) if args.class_column else []
+    null_class = len(labels)
+    columns = {}
+    if labels:
+        label2id = {name: i for i, name in enumerate(labels)}
+        columns["class_labels"] = torch.tensor([label2id[str(v)] for v in train_ds[args.class_column]])
+    with accelerator.main_process_first():
+        train_data = ImageDataset(train_ds, args.image_column, args.resolution, center_crop=args.center_crop,
+                                  random_flip=args.random_flip, columns=columns, seed=args.seed)
+    train_dataloader = torch.utils.data.DataLoader(
+        train_data, batch_size=args.train_batch_size, shuffle=True, num_workers=args.dataloader_num_workers,
+        generator=torch.Generator().manual_seed(args.seed))  # its own RNG: iterating never moves the global one
+
+    # 3. Model: a UNet2DModel from a config, from a pretrained UNet/pipeline, or the small default; the noise schedule.
+    unet = build_unet(args, UNet2DModel, null_class + 1 if labels else None)
+    noise_scheduler = DDPMScheduler(num_train_timesteps=args.ddpm_num_steps, beta_start=args.ddpm_beta_start,
+                                    beta_end=args.ddpm_beta_end, beta_schedule=args.ddpm_beta_schedule,
+                                    prediction_type=args.prediction_type)
+    ema = None
+    if args.use_ema:
+        ema = EMAModel(unet.parameters(), decay=args.ema_max_decay, use_ema_warmup=True, inv_gamma=args.ema_inv_gamma,
+                       power=args.ema_power, model_cls=UNet2DModel, model_config=unet.config, foreach=True)
+    scorer = scorer_ids = real_features = None
+    if args.eval_classifier:  # loaded everywhere so that a bad path stops every process; used on the main one
+        scorer = ClassifierScorer(args.eval_classifier, accelerator.device)
+        scorer_ids = scorer.class_ids(labels) if labels else None
+        require_columns(eval_ds, image_column=args.image_column)
+        if accelerator.is_main_process:  # real images of the held-out split, at the training resolution
+            real = ImageDataset(eval_ds.select(range(min(len(eval_ds), 2000))), args.image_column, args.resolution)
+            real_features, _ = scorer(torch.stack([item["pixel_values"] for item in real]) / 2 + 0.5)
+
+    # 4. Optimizer; warm-up -> cosine counted in optimizer steps.
+    optimizer = torch.optim.AdamW(build_param_groups(unet, args.learning_rate, args.adam_weight_decay),
+                                  betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon)
+    steps_per_epoch, max_train_steps, num_train_epochs = plan_steps(
+        math.ceil(len(train_dataloader) / accelerator.num_processes), args.gradient_accumulation_steps,
+        args.num_train_epochs, args.max_train_steps)
+    lr_scheduler = build_lr_scheduler(args.lr_scheduler, optimizer, args.lr_warmup_steps, max_train_steps,
+                                      accelerator.num_processes, args.lr_warmup_start_factor, args.lr_min)
+
+    # 5. prepare, hooks (checkpoints hold unet/ and unet_ema/ in from_pretrained form, plus scheduler/ and
+    #    labels.json so that sample.py reads a checkpoint directly), then the exact step counts.
+    unet, optimizer, train_dataloader, lr_scheduler = accelerator.prepare(unet, optimizer, train_dataloader,
+                                                                          lr_scheduler)
+    if ema is not None:
+        ema.to(accelerator.device)
+
+    def save_extra(folder):
+        if ema is not None:
+            ema.save_pretrained(os.path.join(folder, "unet_ema"))
+        noise_scheduler.save_pretrained(os.path.join(folder, "scheduler"))
+        write_labels(folder, labels)
+
+    def load_extra(folder):
+        if ema is not None:
+            if not os.path.isdir(os.path.join(folder, "unet_ema")):
+                raise UserError(f"--use_ema: checkpoint '{folder}' has no unet_ema/ (saved without --use_ema)")
+            ema.load_state_dict(EMAModel.from_pretrained(os.path.join(folder, "unet_ema"), UNet2DModel).state_dict())
+            ema.to(accelerator.device)
+
+    register_state_hooks(accelerator, {"unet": accelerator.unwrap_model(unet)}, extra_save=save_extra,
+                         extra_load=load_extra)
+    steps_per_epoch, max_train_steps, num_train_epochs = plan_steps(
+        len(train_dataloader), args.gradient_accumulation_steps, args.num_train_epochs, args.max_train_steps)
+
+    if accelerator.is_main_process:
+        os.makedirs(args.output_dir, exist_ok=True)
+    init_trackers(accelerator, args)
+    total_batch_size = args.train_batch_size * accelerator.num_processes * args.gradient_accumulation_steps
+    logger.info(f"{len(train_data)} training images, {len(labels) or 'no'} classes, "
+                f"{sum(p.numel() for p in unet.parameters()) / 1e6:.2f} M parameters, "
+                f"{accelerator.num_processes} process(es), batch {total_batch_size}, "
+                f"{max_train_steps} optimizer steps over {num_train_epochs} epochs")
+
+    # 6. Resume: state (EMA included), then the position in the epoch (seen batches are skipped, not replayed).
+    global_step, first_epoch, skip_batches = 0, 0, 0
+    resume_path = resolve_resume(args.resume_from_checkpoint, args.output_dir)
+    if resume_path:
+        accelerator.load_state(resume_path)
+        global_step = checkpoint_step(resume_path)
+        first_epoch, skip_batches = resume_position(global_step, steps_per_epoch, args.gradient_accumulation_steps)
+        logger.info(f"resumed from {resume_path} at step {global_step}")
+
+    def validate():
+        return validation(accelerator, unet, ema, noise_scheduler, args, labels, scorer, scorer_ids, real_features,
+                          global_step, logger)
+
+    # 7. The loop: noise a clean batch at random timesteps, predict, MSE to the target.
+    progress = tqdm(total=max_train_steps, initial=global_step, desc="steps",
+                    disable=not accelerator.is_local_main_process)
+    start_time, start_step = time.time(), global_step
+    metrics, loss_sum, last_loss = {}, torch.zeros((), device=accelerator.device), None
+    try:
+        for epoch in range(first_epoch, num_train_epochs):
+            unet.train()
+            train_dataloader.set_epoch(epoch)  # shuffling order and augmentations: functions of (seed, epoch)
+            train_data.set_epoch(epoch)
+            loader = train_dataloader
+            if epoch == first_epoch and skip_batches:
+                loader = accelerator.skip_first_batches(train_dataloader, skip_batches)
+            for batch in loader:
+                with accelerator.accumulate(unet):
+                    clean = batch["pixel_values"]
+                    noise = torch.randn_like(clean)
+                    timesteps = torch.randint(0, noise_scheduler.config.num_train_timesteps, (clean.shape[0],),
+                                              device=clean.device)
+                    noisy = noise_scheduler.add_noise(clean, noise, timesteps)
+                    class_labels = (drop_class_labels(batch["class_labels"], null_class, args.class_dropout_prob)
+                                    if labels else None)
+                    prediction = unet(noisy, timesteps, class_labels=class_labels).sample
+                    if args.prediction_type == "epsilon":
+                        target = noise
+                    elif args.prediction_type == "v_prediction":
+                        target = noise_scheduler.get_velocity(clean, noise, timesteps)
+                    else:
+                        target = clean
+                    loss = F.mse_loss(prediction.float(), target.float(), reduction="none").mean(dim=(1, 2, 3))
+                    if args.snr_gamma is not None:
+                        loss = loss * min_snr_weights(compute_snr(noise_scheduler, timesteps), args.snr_gamma,
+                                                      args.prediction_type)
+                    loss = loss.mean()
+                    accelerator.backward(loss)
+                    if accelerator.sync_gradients:
+                        accelerator.clip_grad_norm_(unet.parameters(), args.max_grad_norm)
+                    optimizer.step()
+                    lr_scheduler.step()
+                    optimizer.zero_grad(set_to_none=True)
+                loss_sum += loss.detach() / args.gradient_accumulation_steps
+                if not accelerator.sync_gradients:
+                    continue
+                if ema is not None:  # real optimizer steps only
+                    ema.step(unet.parameters())
+                global_step += 1
+                progress.update(1)
+                if global_step % args.logging_steps == 0 or global_step == max_train_steps:
+                    last_loss = accelerator.reduce(loss_sum, "mean").item()  # the only sync, on logging steps
+                    logs = {"train/loss": last_loss, "lr": lr_scheduler.get_last_lr()[0], "epoch": epoch}
+                    if ema is not None:
+                        logs["ema_decay"] = ema.cur_decay_value
+                    accelerator.log(logs, step=global_step)
+                    progress.set_postfix(loss=f"{last_loss:.4f}")
+                loss_sum.zero_()
+                if global_step % args.checkpointing_steps == 0:
+                    save_checkpoint(accelerator, args.output_dir, global_step, args.checkpoints_total_limit)
+                if global_step % args.validation_steps == 0 and global_step < max_train_steps:
+                    metrics = validate()
+                if global_step >= max_train_steps:
+                    break
+            if global_step >= max_train_steps:
+                break
+
+        # 8. Validate with the final (EMA) weights; its metrics go into all_results.json.
+        metrics = validate()
+
+        # 9. Save: a DDPMPipeline folder (EMA weights when --use_ema), labels.json, a model card and the run summary.
+        accelerator.wait_for_everyone()
+        if accelerator.is_main_process:
+            model = accelerator.unwrap_model(unet)
+            with ema_weights(ema, model):
+                DDPMPipeline(unet=model, scheduler=noise_scheduler).save_pretrained(args.output_dir)
+            write_labels(args.output_dir, labels)
+            results = write_all_results(
+                args.output_dir, global_step=global_step, start_time=start_time, steps_run=global_step - start_step,
+                samples_per_step=total_batch_size, final_loss=last_loss, device=accelerator.device,
+                num_processes=accelerator.num_processes, metrics=metrics)
+            write_model_card(
+                args.output_dir, "DDPM trained with train_ddpm.py",
+                f"Trained from scratch on `{args.dataset_name or args.train_data_dir}` for {global_step} optimizer "
+                f"steps at {args.resolution} px.",
+                {"classes": ", ".join(labels) if labels else "unconditional", "EMA weights": ema is not None,
+                 "prediction type": args.prediction_type, "beta schedule": args.ddpm_beta_schedule,
+                 **{k: f"{v:.4f}" for k, v in metrics.items() if isinstance(v, float)}},
+                (f"# python sample.py --model {args.output_dir} --class_label all\n" if labels else "")
+                + "from diffusers import DDPMPipeline\n"
+                f'pipe = DDPMPipeline.from_pretrained("{args.output_dir}")'
+                + ("\n# class-conditional: see sample.py (labels.json holds the class names)" if labels
+                   else "\nimage = pipe(num_inference_steps=1000).images[0]"),
+                images=[f"samples/step-{global_step}.png"])
+            logger.info(f"saved to {args.output_dir}: {results}")
+        accelerator.wait_for_everyone()
+    finally:
+        progress.close()
+        accelerator.end_training()
+
+
+def build_unet(args, unet_class, num_class_embeds):
+    """The UNet of --pretrained_model_name_or_path / --model_config_name_or_path / the small default, checked."""
+    if args.pretrained_model_name_or_path:
+        path = args.pretrained_model_name_or_path
+        subfolder = "unet" if not os.path.isdir(path) or os.path.isdir(os.path.join(path, "unet")) else None
+        try:
+            unet = unet_class.from_pretrained(path, subfolder=subfolder, cache_dir=args.cache_dir)
+        except (OSError, ValueError) as err:
+            raise UserError(f"--pretrained_model_name_or_path: cannot load a UNet2DModel from '{path}': "
+                            f"{str(err).splitlines()[0]}") from None
+        source = f"the pretrained UNet '{path}'"
+    else:
+        if args.model_config_name_or_path:
+            try:
+                config = unet_class.load_config(args.model_config_name_or_path)
+            except (OSError, ValueError) as err:
+                raise UserError(f"--model_config_name_or_path: cannot read a UNet2DModel config from "
+                                f"'{args.model_config_name_or_path}': {str(err).splitlines()[0]}") from None
+            if num_class_embeds and config.get("num_class_embeds") is None:
+                config["num_class_embeds"] = num_class_embeds
+            source = f"the config '{args.model_config_name_or_path}'"
+        else:
+            config = default_unet_config(args.block_out_channels, args.layers_per_block, num_class_embeds)
+            source = "the default UNet"
+        try:
+            unet = unet_class.from_config({**config, "sample_size": args.resolution})
+        except (TypeError, ValueError) as err:
+            raise UserError(f"{source}: {str(err).splitlines()[0]}") from None
+    config = unet.config
+    factor = 2 ** (len(config.down_block_types) - 1)  # every down block but the last halves the resolution
+    if args.resolution % factor:
+        raise UserError(f"--resolution {args.resolution} is not divisible by {factor}, the total downsampling of "
+                        f"{source} ({len(config.down_block_types)} down blocks)")
+    if config.in_channels != 3 or config.out_channels != 3:
+        raise UserError(f"{source} has in_channels={config.in_channels}, out_channels={config.out_channels}, "
+                        "but the images have 3 (RGB)")
+    if config.num_class_embeds != num_class_embeds:
+        want = f"{num_class_embeds} (classes + 1 null class)" if num_class_embeds else "none (no --class_column)"
+        raise UserError(f"{source} has num_class_embeds={config.num_class_embeds}; this run needs {want}")
+    unet.register_to_config(sample_size=args.resolution)  # DDPMPipeline samples at this size
+    return unet
+
+
+def default_unet_config(block_out_channels, layers_per_block, num_class_embeds):
+    """A small UNet2DModel config: ~1 M parameters with the defaults, fast enough for CPU demos."""
+    levels = len(block_out_channels)
+    down, up = ["DownBlock2D"] * levels, ["UpBlock2D"] * levels
+    if levels > 1:  # self-attention only at the coarsest level, where it is cheap
+        down[-1], up[0] = "AttnDownBlock2D", "AttnUpBlock2D"
+    return {"in_channels": 3, "out_channels": 3, "block_out_channels": list(block_out_channels),
+            "layers_per_block": layers_per_block, "down_block_types": down, "up_block_types": up,
+            # groups of >= 4 channels, at most 32 groups (diffusers' default)
+            "norm_num_groups": min(32, max(1, math.gcd(*block_out_channels) // 4)),
+            "num_class_embeds": num_class_embeds}
+
+
+def drop_class_labels(class_labels, null_class, prob):
+    """Classifier-free guidance training: each label becomes the null class with probability `prob`."""
+    import torch
+
+    drop = torch.rand(class_labels.shape, device=class_labels.device) < prob
+    return class_labels.masked_fill(drop, null_class)
+
+
+def min_snr_weights(snr, gamma, prediction_type):
+    """Min-SNR-gamma (Hang et al., 2023) per-sample loss weights, expressed for the chosen target."""
+    import torch
+
+    clipped = snr.clamp(max=gamma)
+    if prediction_type == "sample":
+        return clipped
+    weights = clipped / (snr + 1) if prediction_type == "v_prediction" else clipped / snr
+    return torch.where(snr > 0, weights, torch.ones_like(weights))  # zero terminal SNR: plain MSE there
+
+
+@contextlib.contextmanager
+def ema_weights(ema, model):
+    """Inside: the model holds the EMA weights (when there is an EMA); after: its training weights again."""
+    if ema is None:
+        yield
+        return
+    ema.store(model.parameters())
+    ema.copy_to(model.parameters())
+    try:
+        yield
+    finally:
+        ema.restore(model.parameters())
+
+
+def validation(accelerator, unet, ema, noise_scheduler, args, labels, scorer, scorer_ids, real_features, step,
+               logger):
+    """On the main process (the others wait): a grid, a row per class, drawn with the EMA weights, logged and saved
+    as samples/step-N.png; with --eval_classifier, sample accuracy and Fréchet distance. Returns the metrics."""
+    import torch
+
+    from common.classifier_metrics import frechet_distance
+    from common.ddpm_sampling import image_grid, make_scheduler, sample_images, to_pil
+    from common.trackers import log_image
+
+    metrics = {}
+    if accelerator.is_main_process:
+        model = accelerator.unwrap_model(unet)
+        n = args.num_validation_images
+        class_ids = torch.arange(len(labels)).repeat_interleave(n) if labels else None
+        model.eval()
+        with ema_weights(ema, model):
+            images = sample_images(model, make_scheduler(args.validation_scheduler, noise_scheduler.config),
+                                   n * max(len(labels), 1), class_labels=class_ids, null_class=len(labels),
+                                   guidance_scale=args.guidance_scale, batch_size=args.eval_batch_size,
+                                   num_inference_steps=args.validation_inference_steps,
+                                   generator=torch.Generator().manual_seed(args.seed))  # own RNG: training's untouched
+        model.train()
+        grid = image_grid(to_pil(images), ncol=n if labels else math.ceil(math.sqrt(n)))
+        os.makedirs(os.path.join(args.output_dir, "samples"), exist_ok=True)
+        grid.save(os.path.join(args.output_dir, "samples", f"step-{step}.png"))
+        log_image(accelerator, "validation", grid, step)
+        if scorer is not None:
+            features, predicted = scorer((images * 255).round() / 255)  # the pixels a PNG would hold
+            if labels:
+                metrics["sample_accuracy"] = (predicted == scorer_ids[class_ids]).float().mean().item()
+            metrics["frechet_distance"] = frechet_distance(real_features, features)
+            metrics["eval_guidance_scale"] = args.guidance_scale
+            accelerator.log({f"validation/{k}": v for k, v in metrics.items()}, step=step)
+            logger.info(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
+    accelerator.wait_for_everyone()
+    return metrics
+
+
+def write_labels(folder, labels):
+    """labels.json: the class names in id order, where sample.py looks for them (nothing for unconditional)."""
+    if labels:
+        with open(os.path.join(folder, "labels.json"), "w") as f:
+            json.dump(labels, f)
+
+
+if __name__ == "__main__":
+    run(main, parse_args)

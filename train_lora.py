@@ -1,0 +1,557 @@
+#!/usr/bin/env python
+"""Fine-tune Stable Diffusion with LoRA (peft) on captioned images, the accelerate way.
+
+The seed notes' recipe: the UNet frozen, LoRA adapters (LoraConfig, init_lora_weights="gaussian") on its attention
+projections, trained on the denoising loss; optionally the CLIP text encoder too. Frozen weights in fp16/bf16, LoRA
+weights in fp32; latents (--cache_latents) and text embeddings computed once; min-SNR weighting, noise offset,
+caption dropout, validation images, resumable checkpoints that hold only the LoRA. Writes
+pytorch_lora_weights.safetensors (`pipe.load_lora_weights(output_dir)`), optionally the kohya/A1111/ComfyUI format,
+a model card, and lora_info.json, from which sample.py finds the base model.
+
+Built-in demo (a tiny random-init SD that `make tiny-sd` builds offline, the digits captions, CPU, ~2 minutes):
+    make train-lora
+One GPU, Stable Diffusion 1.5 from the hub:
+    accelerate launch --config_file accelerate_configs/single_gpu.yaml train_lora.py \
+        --pretrained_model_name_or_path stable-diffusion-v1-5/stable-diffusion-v1-5 \
+        --dataset_name lambdalabs/naruto-blip-captions --resolution 512 --center_crop --random_flip \
+        --train_batch_size 4 --max_train_steps 3000 --learning_rate 1e-4 --rank 8 --mixed_precision fp16 \
+        --cache_latents --checkpointing_steps 500 --validation_prompt "a man with blue hair" \
+        --validation_steps 500 --output_dir outputs/lora-naruto
+Several GPUs (or `make train-lora CONFIG=accelerate_configs/multi_gpu.yaml ARGS="..."`):
+    accelerate launch --config_file accelerate_configs/multi_gpu.yaml train_lora.py <the same flags>
+Then:  python sample.py --model outputs/lora-naruto --prompt "a girl with pink hair"
+"""
+import math
+import os
+import time
+
+from common.args import (add_checkpoint_args, add_data_args, add_logging_args, add_training_args, check_common_args,
+                         make_parser, non_negative_int, positive_float, positive_int, probability)
+from common.checkpoints import read_checkpoint_info, resolve_resume
+from common.cli import UserError, run
+from common.sd_pipeline import check_sd_pipeline
+
+UNET_TARGETS = "to_k,to_q,to_v,to_out.0"
+TEXT_ENCODER_TARGETS = ["q_proj", "k_proj", "v_proj", "out_proj"]
+ADAPTER_FILE = "adapter_model.safetensors"
+SAME_LORA = ("rank", "lora_alpha", "target_modules", "use_dora", "train_text_encoder")  # needed to resume
+
+
+def comma_list(text):
+    return [item.strip() for item in text.split(",") if item.strip()]
+
+
+def parse_args(argv=None):
+    parser = make_parser(__doc__.splitlines()[0])
+    g = add_data_args(parser, resolution=32)
+    g.add_argument("--caption_column", default="text",
+                   help="Column with each image's caption: a string, or a list (one picked at random per step).")
+    g.add_argument("--caption_dropout_prob", type=probability, default=0.0,
+                   help="Train on the empty prompt this often (keeps classifier-free guidance working).")
+    g.add_argument("--cache_latents", action="store_true",
+                   help="VAE-encode every image once (implies --center_crop; with --random_flip both orientations).")
+    g = parser.add_argument_group("model")
+    g.add_argument("--pretrained_model_name_or_path", default="models/tiny-sd",
+                   help="A StableDiffusionPipeline: hub id or folder (default: the offline tiny one of `make tiny-sd`).")
+    g.add_argument("--revision", default=None, help="Hub revision of the base model.")
+    g.add_argument("--variant", default=None, help="Weights variant of the base model, e.g. fp16.")
+    g.add_argument("--prediction_type", default=None, choices=["epsilon", "v_prediction", "sample"],
+                   help="Training target; default: the base scheduler's.")
+    g.add_argument("--snr_gamma", type=positive_float, default=None, help="Min-SNR loss weighting (5.0 is usual).")
+    g.add_argument("--noise_offset", type=float, default=0.0, help="Offset noise scale (0.05-0.1 is usual).")
+    g.add_argument("--gradient_checkpointing", action="store_true", help="Less memory, ~30%% slower.")
+    g = parser.add_argument_group("LoRA")
+    g.add_argument("--rank", type=positive_int, default=8, help="LoRA rank r.")
+    g.add_argument("--lora_alpha", type=positive_float, default=None, help="LoRA scale alpha/r; default alpha = r.")
+    g.add_argument("--lora_dropout", type=probability, default=0.0)
+    g.add_argument("--target_modules", type=comma_list, default=comma_list(UNET_TARGETS),
+                   help=f"UNet modules that get LoRA (names or name suffixes), default {UNET_TARGETS}.")
+    g.add_argument("--use_dora", action="store_true", help="DoRA: weight-decomposed LoRA.")
+    g.add_argument("--train_text_encoder", action="store_true",
+                   help="Also LoRA on the CLIP text encoder's attention projections.")
+    g.add_argument("--text_encoder_lr", type=positive_float, default=None, help="Default: --learning_rate.")
+    g.add_argument("--export_kohya", action="store_true",
+                   help="Also write pytorch_lora_weights_kohya.safetensors (A1111/ComfyUI key names).")
+    g = parser.add_argument_group("validation")
+    g.add_argument("--validation_prompt", action="append", default=[], help="Repeatable.")
+    g.add_argument("--num_validation_images", type=positive_int, default=2, help="Images per prompt.")
+    g.add_argument("--validation_steps", type=positive_int, default=100, help="Every N optimizer steps, and at the end.")
+    g.add_argument("--validation_inference_steps", type=positive_int, default=20)
+    g.add_argument("--validation_guidance_scale", type=float, default=7.5)
+    add_training_args(parser, output_dir="outputs/lora", learning_rate=2e-3, train_batch_size=32, num_train_epochs=8,
+                      lr_scheduler="constant", lr_warmup_steps=0)
+    add_checkpoint_args(parser, checkpointing_steps=500)
+    add_logging_args(parser, project_name="train_lora")
+    args = parser.parse_args(argv)
+    check_common_args(args)
+    check_sd_pipeline(args.pretrained_model_name_or_path, "--pretrained_model_name_or_path")
+    args.lora_alpha = args.lora_alpha or args.rank
+    args.center_crop = args.center_crop or args.cache_latents  # one cached crop per image: the center one
+    if args.export_kohya and args.use_dora:
+        parser.error("--export_kohya: the kohya format has no DoRA weights; drop --use_dora or --export_kohya")
+    if not args.target_modules:
+        parser.error("--target_modules: give at least one module name")
+    resume_path = resolve_resume(args.resume_from_checkpoint, args.output_dir)
+    if resume_path:  # a checkpoint of another LoRA shape would fail (or worse, half-load) deep inside load_state
+        saved, now = read_checkpoint_info(resume_path), lora_info(args)
+        diffs = [f"{key}={saved[key]} (now {now[key]})" for key in SAME_LORA if key in saved and saved[key] != now[key]]
+        if diffs:
+            raise UserError(f"--resume_from_checkpoint: {resume_path} holds a LoRA with {', '.join(diffs)}; "
+                            "resume with the same LoRA settings or train into a new --output_dir")
+    return args
+
+
+def lora_info(args):
+    """What sample.py and a resumed run need to know about this LoRA (lora_info.json, checkpoint_info.json)."""
+    base = args.pretrained_model_name_or_path
+    return {"base_model": os.path.abspath(base) if os.path.isdir(base) else base, "revision": args.revision,
+            "variant": args.variant, "rank": args.rank, "lora_alpha": args.lora_alpha,
+            "target_modules": args.target_modules, "use_dora": args.use_dora,
+            "train_text_encoder": args.train_text_encoder, "prediction_type": args.prediction_type}
+
+
+def main(args):
+    import random
+
+    import torch
+    import torch.nn.functional as F
+    from accelerate import Accelerator
+    from accelerate.logging import get_logger
+    from accelerate.utils import DataLoaderConfiguration, ProjectConfiguration, set_seed
+    from diffusers import AutoencoderKL, DDPMScheduler, UNet2DConditionModel
+    from diffusers.models.attention_processor import AttnProcessor2_0
+    from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
+    from diffusers.training_utils import cast_training_params, compute_snr
+    from peft import LoraConfig
+    from tqdm.auto import tqdm
+    from transformers import CLIPTextModel, CLIPTokenizer
+
+    from common.checkpoints import checkpoint_step, save_checkpoint
+    from common.image_data import ImageDataset, load_image_dataset, require_columns
+    from common.lr_schedulers import build_lr_scheduler
+    from common.model_card import write_model_card
+    from common.param_groups import build_param_groups
+    from common.run_summary import write_all_results
+    from common.sd_pipeline import load_error
+    from common.state_hooks import register_state_hooks
+    from common.trackers import init_trackers, log_with
+    from common.training_steps import plan_steps, resume_position
+
+    # 1. Accelerator: mixed precision from --mixed_precision, else from the accelerate config.
+    accelerator = Accelerator(
+        mixed_precision=args.mixed_precision,
+        gradient_accumulation_steps=args.gradient_accumulation_steps,
+        log_with=log_with(args.report_to),
+        project_config=ProjectConfiguration(project_dir=args.output_dir,
+                                            logging_dir=os.path.join(args.output_dir, args.logging_dir)),
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),  # same order on resume
+    )
+    logger = get_logger(__name__, log_level="INFO")
+    set_seed(args.seed)
+    if args.allow_tf32:
+        torch.backends.cuda.matmul.allow_tf32 = True
+    # Read the accelerator's precision, not the flag: an accelerate yaml may ask for fp16 too.
+    weight_dtype, lora_dtype = lora_dtypes(accelerator.mixed_precision)
+
+    # 2. Data: images decoded once; each image's captions as indices into the distinct prompts ("" for dropout).
+    train_ds, _ = load_image_dataset(args, carve_eval=False)
+    require_columns(train_ds, image_column=args.image_column, caption_column=args.caption_column)
+    captions = caption_lists(train_ds[args.caption_column], args.caption_column)
+    prompts = sorted({c for options in captions for c in options} | {""})
+    prompt_id = {p: i for i, p in enumerate(prompts)}
+    caption_ids = [[prompt_id[c] for c in options] for options in captions]
+
+    def pick_prompts(indices, epoch):
+        """One caption per image, or "" with --caption_dropout_prob: a function of (seed, epoch, index)."""
+        picked = []
+        for index in indices.tolist():
+            rng = random.Random(hash((args.seed, epoch, index)))
+            picked.append(prompt_id[""] if rng.random() < args.caption_dropout_prob else rng.choice(caption_ids[index]))
+        return torch.tensor(picked)
+
+    with accelerator.main_process_first():
+        train_data = ImageDataset(train_ds, args.image_column, args.resolution, center_crop=args.center_crop,
+                                  random_flip=args.random_flip, columns={"index": torch.arange(len(train_ds))},
+                                  seed=args.seed)
+
+    # 3. Model: the base frozen in the weight dtype (the VAE in fp32: fp16 decodes overflow), LoRA adapters in fp32.
+    path, load = args.pretrained_model_name_or_path, {"revision": args.revision, "cache_dir": args.cache_dir}
+    try:
+        noise_scheduler = DDPMScheduler.from_pretrained(path, subfolder="scheduler", **load)
+        tokenizer = CLIPTokenizer.from_pretrained(path, subfolder="tokenizer", **load)
+        text_encoder = CLIPTextModel.from_pretrained(path, subfolder="text_encoder", variant=args.variant,
+                                                     dtype=weight_dtype, **load)
+        vae = AutoencoderKL.from_pretrained(path, subfolder="vae", variant=args.variant, torch_dtype=torch.float32,
+                                            **load)
+        unet = UNet2DConditionModel.from_pretrained(path, subfolder="unet", variant=args.variant,
+                                                    torch_dtype=weight_dtype, **load)
+    except (OSError, ValueError) as err:
+        raise load_error("--pretrained_model_name_or_path", path, err) from None
+    if args.prediction_type:
+        noise_scheduler.register_to_config(prediction_type=args.prediction_type)
+    for model in (unet, vae, text_encoder):
+        model.requires_grad_(False).to(accelerator.device)
+    unet.set_attn_processor(AttnProcessor2_0())  # PyTorch SDPA (flash / memory-efficient kernels where available)
+    check_target_modules(unet, args.target_modules, "--target_modules", "UNet")
+    try:
+        unet.add_adapter(LoraConfig(r=args.rank, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
+                                    init_lora_weights="gaussian", target_modules=args.target_modules,
+                                    use_dora=args.use_dora))
+    except ValueError as err:  # e.g. a target that is not a Linear/Conv layer
+        raise UserError(f"--target_modules: {str(err).splitlines()[0]}") from None
+    trained = {"unet": unet}
+    if args.train_text_encoder:
+        text_encoder.add_adapter(LoraConfig(r=args.rank, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
+                                            init_lora_weights="gaussian", target_modules=TEXT_ENCODER_TARGETS,
+                                            use_dora=args.use_dora))
+        trained["text_encoder"] = text_encoder
+    cast_training_params(list(trained.values()), dtype=lora_dtype)
+    trainable = {f"{name}.{n}": p for name, m in trained.items() for n, p in m.named_parameters() if p.requires_grad}
+    assert all("lora_" in name for name in trainable), "only LoRA weights may train"
+    num_trainable = sum(p.numel() for p in trainable.values())
+    if args.gradient_checkpointing:
+        unet.enable_gradient_checkpointing()
+        if args.train_text_encoder:
+            text_encoder.gradient_checkpointing_enable()
+
+    # Speed: what is frozen is computed once. Text: every distinct prompt embedded once (kept on the CPU).
+    input_ids = tokenizer(prompts, padding="max_length", max_length=tokenizer.model_max_length, truncation=True,
+                          return_tensors="pt").input_ids
+    prompt_embeds = None
+    if not args.train_text_encoder:
+        with torch.no_grad():
+            prompt_embeds = torch.cat([text_encoder(ids.to(accelerator.device))[0].cpu() for ids in input_ids.split(64)])
+
+    def encode(pixel_values):  # -> parameters (mean, log-variance) of the VAE's latent distribution
+        with torch.no_grad(), accelerator.autocast():
+            return vae.encode(pixel_values.to(accelerator.device, torch.float32)).latent_dist.parameters
+
+    def sample_latents(params):  # drawn afresh each step, from the cache or not: both runs draw the same noise
+        latents = DiagonalGaussianDistribution(params.float()).sample()
+        return (latents - (vae.config.shift_factor or 0.0)) * vae.config.scaling_factor
+
+    if args.cache_latents:
+        logger.info(f"caching the latents of {len(train_data)} images{' and their mirror images' * args.random_flip}")
+        train_data = CachedLatents(train_data, encode, args.train_batch_size)
+    train_dataloader = torch.utils.data.DataLoader(
+        train_data, batch_size=args.train_batch_size, shuffle=True, num_workers=args.dataloader_num_workers,
+        generator=torch.Generator().manual_seed(args.seed))  # its own RNG: iterating never moves the global one
+
+    # 4. Optimizer on the LoRA weights (the text encoder's at its own LR); schedule counted in optimizer steps.
+    lr_groups = {"text_encoder": args.text_encoder_lr or args.learning_rate} if args.train_text_encoder else {}
+    optimizer = torch.optim.AdamW(
+        build_param_groups(torch.nn.ModuleDict(trained), args.learning_rate, args.adam_weight_decay, lr_groups),
+        betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon)
+    steps_per_epoch, max_train_steps, num_train_epochs = plan_steps(
+        math.ceil(len(train_dataloader) / accelerator.num_processes), args.gradient_accumulation_steps,
+        args.num_train_epochs, args.max_train_steps)
+    lr_scheduler = build_lr_scheduler(args.lr_scheduler, optimizer, args.lr_warmup_steps, max_train_steps,
+                                      accelerator.num_processes, args.lr_warmup_start_factor, args.lr_min)
+
+    # 5. prepare, hooks (checkpoints hold the LoRA weights only, plus sample.py's files), then the exact step counts.
+    prepared = accelerator.prepare(*trained.values(), optimizer, train_dataloader, lr_scheduler)
+    models, (optimizer, train_dataloader, lr_scheduler) = prepared[:len(trained)], prepared[len(trained):]
+    unet = models[0]
+    if args.train_text_encoder:
+        text_encoder = models[1]
+    info = lora_info(args)
+    lora_models = {name: accelerator.unwrap_model(m) for name, m in zip(trained, models)}
+    register_state_hooks(accelerator, lora_models, save_fn=save_lora_state,
+                         load_fn=lambda model, path: load_lora_state(model, path, lora_dtype),
+                         extra_save=lambda folder: save_lora_weights(folder, lora_models, info))
+    steps_per_epoch, max_train_steps, num_train_epochs = plan_steps(
+        len(train_dataloader), args.gradient_accumulation_steps, args.num_train_epochs, args.max_train_steps)
+
+    if accelerator.is_main_process:
+        os.makedirs(args.output_dir, exist_ok=True)
+    init_trackers(accelerator, args)
+    total_batch_size = args.train_batch_size * accelerator.num_processes * args.gradient_accumulation_steps
+    logger.info(f"{len(train_data)} training images, {len(prompts) - 1} distinct captions, {num_trainable} LoRA "
+                f"parameters ({accelerator.mixed_precision} mixed precision: base {weight_dtype}, LoRA {lora_dtype}), "
+                f"{accelerator.num_processes} process(es), batch {total_batch_size}, "
+                f"{max_train_steps} optimizer steps over {num_train_epochs} epochs")
+
+    # 6. Resume: state (the load hook sets the adapters), then the position in the epoch.
+    global_step, first_epoch, skip_batches = 0, 0, 0
+    resume_path = resolve_resume(args.resume_from_checkpoint, args.output_dir)
+    if resume_path:
+        accelerator.load_state(resume_path)
+        global_step = checkpoint_step(resume_path)
+        first_epoch, skip_batches = resume_position(global_step, steps_per_epoch, args.gradient_accumulation_steps)
+        logger.info(f"resumed from {resume_path} at step {global_step}")
+
+    # 7. The loop: latents + noise at a random timestep -> the UNet (with LoRA) predicts the noise (or v, or x0).
+    progress = tqdm(total=max_train_steps, initial=global_step, desc="steps",
+                    disable=not accelerator.is_local_main_process)
+    start_time, start_step = time.time(), global_step
+    loss_sum, last_loss, images = torch.zeros((), device=accelerator.device), None, []
+    group_names = [group["name"] for group in optimizer.param_groups]
+    prediction_type = noise_scheduler.config.prediction_type
+    validation = dict(args=args, accelerator=accelerator, vae=vae, tokenizer=tokenizer, scheduler=noise_scheduler,
+                      unet=accelerator.unwrap_model(unet), text_encoder=accelerator.unwrap_model(text_encoder))
+    try:
+        for epoch in range(first_epoch, num_train_epochs):
+            for model in models:
+                model.train()
+            train_dataloader.set_epoch(epoch)  # shuffling order and augmentations: functions of (seed, epoch)
+            train_data.set_epoch(epoch)
+            loader = train_dataloader
+            if epoch == first_epoch and skip_batches:
+                loader = accelerator.skip_first_batches(train_dataloader, skip_batches)
+            for batch in loader:
+                with accelerator.accumulate(*models):
+                    params = batch["latent_params"] if args.cache_latents else encode(batch["pixel_values"])
+                    latents = sample_latents(params)
+                    noise = torch.randn_like(latents)
+                    if args.noise_offset:  # lets the model learn overall brightness (very dark / light images)
+                        noise += args.noise_offset * torch.randn(*latents.shape[:2], 1, 1, device=latents.device)
+                    timesteps = torch.randint(0, noise_scheduler.config.num_train_timesteps, (latents.shape[0],),
+                                              device=latents.device)
+                    noisy_latents = noise_scheduler.add_noise(latents, noise, timesteps)
+                    prompt_index = pick_prompts(batch["index"], epoch)
+                    if prompt_embeds is not None:
+                        encoder_hidden_states = prompt_embeds[prompt_index].to(accelerator.device)
+                    else:
+                        encoder_hidden_states = text_encoder(input_ids[prompt_index].to(accelerator.device))[0]
+                    if prediction_type == "epsilon":
+                        target = noise
+                    elif prediction_type == "v_prediction":
+                        target = noise_scheduler.get_velocity(latents, noise, timesteps)
+                    else:
+                        target = latents
+                    model_pred = unet(noisy_latents, timesteps, encoder_hidden_states, return_dict=False)[0]
+                    loss = F.mse_loss(model_pred.float(), target.float(), reduction="none").mean(dim=(1, 2, 3))
+                    if args.snr_gamma is not None:  # min-SNR-gamma: easy (low-noise) timesteps weigh less
+                        snr = compute_snr(noise_scheduler, timesteps)
+                        weight = snr.clamp(max=args.snr_gamma)
+                        loss = loss * (weight / snr if prediction_type == "epsilon"
+                                       else weight / (snr + 1) if prediction_type == "v_prediction" else weight)
+                    loss = loss.mean()
+                    accelerator.backward(loss)
+                    if accelerator.sync_gradients:
+                        accelerator.clip_grad_norm_(list(trainable.values()), args.max_grad_norm)
+                    optimizer.step()
+                    lr_scheduler.step()
+                    optimizer.zero_grad(set_to_none=True)
+                loss_sum += loss.detach() / args.gradient_accumulation_steps
+                if not accelerator.sync_gradients:
+                    continue
+                global_step += 1
+                progress.update(1)
+                if global_step % args.logging_steps == 0 or global_step == max_train_steps:
+                    last_loss = accelerator.reduce(loss_sum, "mean").item()  # the only sync, on logging steps
+                    logs = {"train/loss": last_loss, "epoch": epoch}
+                    logs.update({f"lr/{name}": group["lr"] for name, group in zip(group_names, optimizer.param_groups)})
+                    accelerator.log(logs, step=global_step)
+                    progress.set_postfix(loss=f"{last_loss:.4f}")
+                loss_sum.zero_()
+                if global_step % args.checkpointing_steps == 0:
+                    save_checkpoint(accelerator, args.output_dir, global_step, args.checkpoints_total_limit, info=info)
+                # 8. Validate: images from the current LoRA, on the main process (the others wait).
+                if args.validation_prompt and global_step % args.validation_steps == 0 and global_step < max_train_steps:
+                    validate(**validation, step=global_step)
+                if global_step >= max_train_steps:
+                    break
+            if global_step >= max_train_steps:
+                break
+
+        # 9. Save: the LoRA in diffusers' format (+ kohya), final images, a model card and the run summary.
+        accelerator.wait_for_everyone()
+        if args.validation_prompt:
+            images = validate(**validation, step=global_step)
+        if accelerator.is_main_process:
+            save_lora_weights(args.output_dir, lora_models, info, kohya=args.export_kohya)
+            results = write_all_results(
+                args.output_dir, global_step=global_step, start_time=start_time, steps_run=global_step - start_step,
+                samples_per_step=total_batch_size, final_loss=last_loss, device=accelerator.device,
+                num_processes=accelerator.num_processes,
+                metrics={"trainable_parameters": num_trainable, "mixed_precision": accelerator.mixed_precision})
+            base = args.pretrained_model_name_or_path
+            write_model_card(
+                args.output_dir, f"LoRA for {base}",
+                f"Trained with train_lora.py on `{args.dataset_name or args.train_data_dir}` for {global_step} "
+                f"optimizer steps. Sample: `python sample.py --model {args.output_dir} --prompt \"...\"`.",
+                {"base model": f"`{base}`" + (" (tiny, random-init: a smoke test, not a picture model)"
+                                               if "tiny-sd" in base else ""),
+                 "rank / alpha": f"{args.rank} / {args.lora_alpha:g}", "target modules": ", ".join(args.target_modules),
+                 "text encoder LoRA": args.train_text_encoder, "steps": global_step,
+                 "final loss": f"{last_loss:.4f}" if last_loss is not None else "n/a",
+                 "validation prompts": "; ".join(args.validation_prompt) or "none"},
+                "from diffusers import StableDiffusionPipeline\n"
+                f'pipe = StableDiffusionPipeline.from_pretrained("{info["base_model"]}")\n'
+                f'pipe.load_lora_weights("{args.output_dir}")\n'
+                f'image = pipe("{(args.validation_prompt or [prompts[-1]])[0]}").images[0]',
+                images=[os.path.relpath(p, args.output_dir) for p in images])
+            logger.info(f"saved the LoRA to {args.output_dir}: {results}")
+    finally:
+        progress.close()
+        accelerator.end_training()
+
+
+def lora_dtypes(mixed_precision):
+    """accelerator.mixed_precision -> (dtype of the frozen weights, dtype of the trainable LoRA weights).
+
+    The LoRA weights stay fp32 under any mixed precision: with fp16 ones the grad scaler fails ("Attempting to
+    unscale FP16 gradients"), and bf16 ones lose the small updates. Pass the accelerator's value, never the flag's.
+    """
+    import torch
+
+    return {"fp16": torch.float16, "bf16": torch.bfloat16}.get(mixed_precision, torch.float32), torch.float32
+
+
+def caption_lists(values, column):
+    """Each row's caption(s) as a non-empty list of strings."""
+    lists = []
+    for row, value in enumerate(values):
+        options = [value] if isinstance(value, str) else list(value) if isinstance(value, list | tuple) else []
+        if not options or not all(isinstance(c, str) for c in options):
+            raise UserError(f"--caption_column '{column}': row {row} holds {str(value)[:60]!r}, "
+                            "not a caption or a list of captions")
+        lists.append(options)
+    return lists
+
+
+def check_target_modules(model, targets, flag, what):
+    """peft matches a target by full name or name suffix; name the closest module names when one matches nothing."""
+    import difflib
+
+    names = [name for name, _ in model.named_modules() if name]
+    for target in targets:
+        if not any(name == target or name.endswith("." + target) for name in names):
+            suffixes = sorted({".".join(n.split(".")[-k:]) for n in names for k in (1, 2)} - {str(i) for i in range(99)})
+            close = difflib.get_close_matches(target, suffixes, n=4, cutoff=0.5)
+            hint = f"closest module names: {', '.join(close)}" if close else f"module names look like {names[-1]}"
+            raise UserError(f"{flag}: '{target}' matches no module of the {what}; {hint}")
+
+
+class CachedLatents:
+    """--cache_latents: each image's latent distribution (and its mirror image's, with --random_flip), encoded once.
+
+    Items {"latent_params", "index"}; the flip of each item is drawn exactly as ImageDataset draws it (same seed,
+    epoch and index), so a cached run sees the same data as an uncached one.
+    """
+
+    def __init__(self, images, encode, batch_size):
+        import torch
+
+        self.images, r = images, images.resolution
+        params = []
+        for start in range(0, len(images), batch_size):
+            pixels = []
+            for i in range(start, min(start + batch_size, len(images))):
+                x = images[i]["pixel_values"]
+                pixels.append(x.flip(-1) if images.augmentation(i, r, r)[2] else x)  # the unflipped image
+            pixels = torch.stack(pixels)
+            views = [pixels, pixels.flip(-1)] if images.random_flip else [pixels]
+            params.append(torch.stack([encode(v).cpu() for v in views], dim=1))
+        self.params = torch.cat(params)  # [N, views, 2 * latent channels, h, w]
+        images.cache = None  # the decoded images are not needed any more
+
+    def set_epoch(self, epoch):
+        self.images.set_epoch(epoch)
+
+    def __len__(self):
+        return len(self.images)
+
+    def __getitem__(self, index):
+        r = self.images.resolution
+        return {"latent_params": self.params[index, int(self.images.augmentation(index, r, r)[2])], "index": index}
+
+
+def save_lora_state(model, path):
+    """Checkpoint save hook: only the adapter's weights (peft names), as safetensors."""
+    from peft.utils import get_peft_model_state_dict
+    from safetensors.torch import save_file
+
+    os.makedirs(path, exist_ok=True)
+    state = {k: v.detach().contiguous() for k, v in get_peft_model_state_dict(model).items()}
+    save_file(state, os.path.join(path, ADAPTER_FILE))
+
+
+def load_lora_state(model, path, dtype):
+    """Checkpoint load hook: really set the adapter (a silent no-op would restart from the initial LoRA), re-upcast."""
+    from diffusers.training_utils import cast_training_params
+    from peft.utils import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    state = load_file(os.path.join(path, ADAPTER_FILE))
+    result = set_peft_model_state_dict(model, state, adapter_name="default")
+    problems = list(result.unexpected_keys) + [k for k in result.missing_keys if "lora_" in k]
+    if problems:
+        raise UserError(f"--resume_from_checkpoint: {path} does not fit this LoRA ({problems[0]} ...)")
+    cast_training_params(model, dtype=dtype)
+
+
+def save_lora_weights(folder, lora_models, info, kohya=False):
+    """pytorch_lora_weights.safetensors (diffusers' names; the adapter config rides along as metadata, so alpha
+    and DoRA load back), lora_info.json, and with `kohya` the kohya-format file. Main process only."""
+    from diffusers import StableDiffusionPipeline
+    from diffusers.utils import convert_state_dict_to_diffusers
+    from peft.utils import get_peft_model_state_dict
+
+    from common.lora_export import KOHYA_WEIGHTS, save_kohya
+    from common.sd_pipeline import write_lora_info
+
+    states = {name: get_peft_model_state_dict(model) for name, model in lora_models.items()}
+    configs = {name: model.peft_config["default"].to_dict() for name, model in lora_models.items()}
+    StableDiffusionPipeline.save_lora_weights(
+        folder, unet_lora_layers=convert_state_dict_to_diffusers(states["unet"]),
+        text_encoder_lora_layers=convert_state_dict_to_diffusers(states["text_encoder"]) if "text_encoder" in states
+        else None, unet_lora_adapter_metadata=configs["unet"],
+        text_encoder_lora_adapter_metadata=configs.get("text_encoder"))
+    if kohya:
+        save_kohya(os.path.join(folder, KOHYA_WEIGHTS), states["unet"], info["lora_alpha"], states.get("text_encoder"))
+    write_lora_info(folder, info)
+
+
+def validate(args, accelerator, vae, tokenizer, scheduler, unet, text_encoder, step):
+    """Images of the validation prompts from the current LoRA (main process), saved under samples/step-N/ and
+    logged to the trackers. Latents come from the pipeline; the VAE decodes them in fp32 (fp16 gives black images)."""
+    import torch
+    from diffusers import DPMSolverMultistepScheduler, StableDiffusionPipeline
+
+    paths = []
+    if accelerator.is_main_process:
+        pipe = StableDiffusionPipeline(vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, unet=unet,
+                                       scheduler=DPMSolverMultistepScheduler.from_config(scheduler.config),
+                                       safety_checker=None, feature_extractor=None, requires_safety_checker=False)
+        pipe.set_progress_bar_config(disable=True)
+        unet.eval()
+        text_encoder.eval()
+        folder = os.path.join(args.output_dir, "samples", f"step-{step}")
+        os.makedirs(folder, exist_ok=True)
+        images = []
+        for p, prompt in enumerate(args.validation_prompt):
+            generators = [torch.Generator().manual_seed(args.seed + j) for j in range(args.num_validation_images)]
+            with torch.no_grad():
+                with accelerator.autocast():
+                    latents = pipe([prompt] * len(generators), num_inference_steps=args.validation_inference_steps,
+                                   guidance_scale=args.validation_guidance_scale, generator=generators,
+                                   output_type="latent").images
+                decoded = vae.decode(latents.float() / vae.config.scaling_factor + (vae.config.shift_factor or 0.0))
+            for j, image in enumerate(pipe.image_processor.postprocess(decoded.sample.float(), output_type="pil")):
+                paths.append(os.path.join(folder, f"{p}-{j}.png"))
+                image.save(paths[-1])
+                images.append((prompt, image))
+        unet.train()
+        text_encoder.train(args.train_text_encoder)
+        log_images(accelerator, images, step)
+    accelerator.wait_for_everyone()
+    return paths
+
+
+def log_images(accelerator, images, step):
+    import numpy as np
+
+    for tracker in accelerator.trackers:
+        if tracker.name == "tensorboard":
+            tracker.writer.add_images("validation", np.stack([np.asarray(im) for _, im in images]), step,
+                                      dataformats="NHWC")
+        elif tracker.name == "wandb":
+            import wandb
+
+            tracker.log({"validation": [wandb.Image(im, caption=p) for p, im in images]}, step=step)
+
+
+if __name__ == "__main__":
+    run(main, parse_args)
