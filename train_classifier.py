@@ -70,6 +70,7 @@ def main(args):
     from common.lr_schedulers import build_lr_scheduler
     from common.model_card import write_model_card
     from common.param_groups import build_param_groups
+    from common.preemption import PreemptionGuard
     from common.run_summary import write_all_results
     from common.state_hooks import register_state_hooks
     from common.trackers import init_trackers, log_with
@@ -205,6 +206,7 @@ def main(args):
     start_time, start_step = time.time(), global_step
     best_metric, metrics, loss_sum, last_loss = None, {}, torch.zeros((), device=accelerator.device), None
     group_names = [group["name"] for group in optimizer.param_groups]
+    preemption = PreemptionGuard(accelerator, check_every=args.logging_steps)
     try:
         for epoch in range(first_epoch, num_train_epochs):
             model.train()
@@ -236,8 +238,11 @@ def main(args):
                     accelerator.log(logs, step=global_step)
                     progress.set_postfix(loss=f"{last_loss:.4f}", acc=f"{acc:.3f}", f1=metrics.get("eval_f1"))
                 loss_sum.zero_()
-                if global_step % args.checkpointing_steps == 0:
-                    save_checkpoint(accelerator, args.output_dir, global_step, args.checkpoints_total_limit)
+                stop = preemption.should_stop(global_step)  # SIGTERM/SIGINT: all processes agree
+                if global_step % args.checkpointing_steps == 0 or stop:
+                    checkpoint = save_checkpoint(accelerator, args.output_dir, global_step, args.checkpoints_total_limit)
+                    if stop:  # the step is complete and saved: stop here
+                        preemption.exit(checkpoint)
                 if global_step >= max_train_steps:
                     break
 

@@ -174,3 +174,26 @@ def test_image_text_classifier_with_per_module_learning_rates(digits, tiny_text_
 
     tokenizer = AutoTokenizer.from_pretrained(out / "text_model")  # the tokenizer travels with the model
     assert tokenizer("a handwritten digit three")["input_ids"][1:-1] == [5, 6, 7, 11]
+
+
+def test_sigterm_saves_a_checkpoint_and_exits_143(digits, tmp_path):
+    import os
+    import signal
+    import time
+
+    out = tmp_path / "preempted"
+    proc = subprocess.Popen([sys.executable, str(ROOT / "train_classifier.py"), "--train_data_dir", str(digits),
+                             "--output_dir", str(out), "--max_train_steps", "5000", "--logging_steps", "1"],
+                            cwd=ROOT, env=offline_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 300
+    while not (out / "logs").exists() and time.time() < deadline:  # trackers start just before the loop
+        time.sleep(0.2)
+    time.sleep(3)
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 143, stderr[-3000:]
+    checkpoints = [p.name for p in out.glob("checkpoint-*")]
+    assert len(checkpoints) == 1 and not checkpoints[0].endswith(".tmp"), checkpoints
+    assert f"SIGTERM received: stopped after a complete optimizer step; saved {out / checkpoints[0]}" in stderr
+    assert "Traceback" not in stderr
+    assert os.path.exists(out / checkpoints[0] / "model" / "model.safetensors")

@@ -1,0 +1,44 @@
+"""SIGTERM / SIGINT during training: finish the optimizer step, checkpoint on every process, exit 143 / 130.
+
+A cluster preempts a job with SIGTERM (then SIGKILL after a grace period); Ctrl-C sends SIGINT. The handler only
+records the signal; the loop asks `should_stop()` at each optimizer-step boundary, so the checkpoint holds a
+consistent state. With several processes the signal may reach only some of them, so they agree through one
+all-reduce, done every `check_every` steps to keep per-step host syncs away from the hot path.
+"""
+import signal
+import sys
+
+
+class PreemptionGuard:
+    def __init__(self, accelerator, check_every=1):
+        self.accelerator = accelerator
+        self.check_every = check_every if accelerator.num_processes > 1 else 1
+        self.signum = 0
+        self._previous = {sig: signal.signal(sig, self._record) for sig in (signal.SIGTERM, signal.SIGINT)}
+
+    def _record(self, signum, frame):
+        self.signum = self.signum or signum
+
+    def should_stop(self, global_step):
+        """True on every process once any process got a signal (checked every `check_every` steps)."""
+        if self.accelerator.num_processes == 1:
+            return bool(self.signum)
+        if global_step % self.check_every:
+            return False
+        import torch
+
+        flag = torch.tensor(self.signum, device=self.accelerator.device)
+        self.signum = int(self.accelerator.reduce(flag, "max"))
+        return bool(self.signum)
+
+    def exit(self, checkpoint):
+        """After the checkpoint is written: one line, then the conventional exit code 128 + signal number."""
+        name = signal.Signals(self.signum).name
+        if self.accelerator.is_main_process:
+            print(f"{name} received: stopped after a complete optimizer step; saved {checkpoint}. "
+                  f"Continue with --resume_from_checkpoint latest", file=sys.stderr, flush=True)
+        sys.exit(128 + self.signum)  # the script's `finally` still ends the trackers
+
+    def restore(self):
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
