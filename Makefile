@@ -2,6 +2,9 @@
 # CONFIG=  accelerate yaml (default: single_gpu.yaml when a GPU is visible, else cpu.yaml)
 # ARGS=    extra flags for the script        OUTPUT=  output folder
 SHELL := /bin/bash
+# Let Python cache compiled modules in .venv: without .pyc files every process compiles diffusers/transformers
+# from source again (tens of seconds per process). The install skips compiling; the first run writes them.
+unexport PYTHONDONTWRITEBYTECODE
 VENV := .venv
 PY := $(VENV)/bin/python
 ACCELERATE := $(VENV)/bin/accelerate
@@ -13,7 +16,7 @@ LAUNCH := $(PY) -m common.accelerate_config $(CONFIG) && $(LAUNCH_ENV) $(ACCELER
 ARGS ?=
 DIGITS := data/digits/train/metadata.jsonl
 
-.PHONY: install data env train-classifier test clean
+.PHONY: install data env train-classifier train-ddpm sample-ddpm tiny-sd train-lora sample-lora inspect test clean
 
 install: $(VENV)/.installed
 $(VENV)/.installed: requirements.txt
@@ -33,6 +36,43 @@ env: install
 train-classifier: data
 	$(LAUNCH) train_classifier.py --train_data_dir data/digits \
 	  --output_dir $(or $(OUTPUT),outputs/classifier) $(ARGS)
+
+# Scored by the digits classifier when `make train-classifier` has written one (sample accuracy, Frechet distance).
+train-ddpm: data
+	$(LAUNCH) $(if $(LAUNCH_ENV),--num_cpu_threads_per_process 1,) train_ddpm.py --train_data_dir data/digits \
+	  --class_column label --use_ema \
+	  $(if $(wildcard outputs/classifier/config.json),--eval_classifier outputs/classifier,) \
+	  --output_dir $(or $(OUTPUT),outputs/ddpm) $(ARGS)
+
+sample-ddpm: install
+	OMP_NUM_THREADS=1 $(PY) sample.py --model $(or $(OUTPUT),outputs/ddpm) --class_label all $(ARGS)
+
+# A tiny random-init Stable Diffusion, built locally (nothing downloaded): for offline smoke runs, not pictures.
+TINY_SD := models/tiny-sd/model_index.json
+tiny-sd: $(TINY_SD)
+$(TINY_SD): | install
+	$(PY) -m common.tiny_sd --output_dir models/tiny-sd
+
+# The LoRA demo: the tiny base, the digits captions. One thread per CPU process: the models are small, and on a
+# shared CPU several threads per process spin against each other (measured 5-10x slower).
+LORA_OUT = $(or $(OUTPUT),outputs/lora)
+LORA_PROMPTS := --prompt "a handwritten digit zero" --prompt "a handwritten digit three" \
+  --prompt "a handwritten digit seven"
+train-lora: data $(TINY_SD)
+	$(LAUNCH) $(if $(LAUNCH_ENV),--num_cpu_threads_per_process 1,) train_lora.py --train_data_dir data/digits \
+	  --output_dir $(LORA_OUT) --cache_latents --validation_prompt "a handwritten digit seven" $(ARGS)
+	$(MAKE) --no-print-directory sample-lora OUTPUT=$(LORA_OUT) ARGS=
+	@echo "LoRA: $(LORA_OUT)/pytorch_lora_weights.safetensors (lora_info.json, README.md, all_results.json)"
+	@echo "validation images: $(LORA_OUT)/samples/step-*/   sample grid: $(LORA_OUT)/samples/grid.png"
+
+sample-lora: | install
+	OMP_NUM_THREADS=1 $(PY) sample.py --model $(LORA_OUT) $(LORA_PROMPTS) --num_images 4 $(ARGS)
+
+# What a pipeline holds and what one call does, stage by stage with shapes and times, plus the x0 trajectory.
+# MODEL= another pipeline (a train_ddpm.py / train_lora.py output, a hub id); ARGS= e.g. --lora PATH, --json.
+inspect: $(TINY_SD)
+	OMP_NUM_THREADS=1 $(PY) inspect_pipeline.py $(or $(MODEL),models/tiny-sd) --trace --num_inference_steps 4 \
+	  --save_trajectory $(or $(OUTPUT),outputs/inspect)/trajectory.png --trajectory_steps 4 $(ARGS)
 
 test: install
 	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(PY) -m pytest -q tests $(ARGS)

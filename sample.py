@@ -26,7 +26,8 @@ def parse_args(argv=None):
     parser.add_argument("--num_images", type=positive_int, default=8, help="Images per label or prompt.")
     parser.add_argument("--batch_size", type=positive_int, default=16)
     parser.add_argument("--seed", type=non_negative_int, default=0)
-    parser.add_argument("--scheduler", default=None, choices=SCHEDULERS, help="Default: the model's own.")
+    parser.add_argument("--scheduler", default=None, choices=SCHEDULERS,
+                        help="Default: the model's own; ddim for train_ddpm.py outputs.")
     parser.add_argument("--num_inference_steps", type=positive_int, default=None)
     parser.add_argument("--guidance_scale", type=positive_float, default=None)
     parser.add_argument("--device", default=None, help="Default: cuda when available, else cpu.")
@@ -94,34 +95,27 @@ def model_kind(path):
 
 def sample_ddpm(args):
     """A train_ddpm.py output or checkpoint-N: unet_ema/ (unless --no_ema) or unet/, scheduler/, labels.json."""
-    import torch
-    from diffusers import DDPMScheduler, UNet2DModel
-
-    from common.ddpm_sampling import (DEFAULT_GUIDANCE_SCALE, DEFAULT_INFERENCE_STEPS, DEFAULT_SCHEDULER,
-                                      make_scheduler, sample_images, to_pil)
-
     if args.prompt or args.lora:
         raise UserError(f"--prompt/--lora are for Stable Diffusion; '{args.model}' is a train_ddpm.py model "
                         "(use --class_label)")
     ema = not args.no_ema and os.path.isdir(os.path.join(args.model, "unet_ema"))
     unet_dir = os.path.join(args.model, "unet_ema" if ema else "unet")
-    try:
-        unet = UNet2DModel.from_pretrained(unet_dir)
-        scheduler_config = DDPMScheduler.load_config(os.path.join(args.model, "scheduler"))
-    except (OSError, ValueError) as err:
-        raise UserError(f"--model '{args.model}' is not a train_ddpm.py output: {str(err).splitlines()[0]}") from None
+    for required in (os.path.join(unet_dir, "config.json"), os.path.join(args.model, "scheduler")):
+        if not os.path.exists(required):
+            raise UserError(f"--model '{args.model}' is not a train_ddpm.py output or checkpoint (no {required})")
+    with open(os.path.join(unet_dir, "config.json")) as f:
+        num_class_embeds = json.load(f).get("num_class_embeds")
 
-    # Class-conditional models: one row of --num_images per requested class; the null class is the last id.
-    num_classes = (unet.config.num_class_embeds or 1) - 1
-    class_ids, names = None, []
+    # Class-conditional models: a row of --num_images per requested class; the null class is the last id.
+    # (Checked before torch loads, so a wrong label is reported at once.)
+    num_classes = (num_class_embeds or 1) - 1
+    ids, names = [], []
     if num_classes > 0:
         names = [str(i) for i in range(num_classes)]
         if os.path.isfile(os.path.join(args.model, "labels.json")):
             with open(os.path.join(args.model, "labels.json")) as f:
                 names = [str(name) for name in json.load(f)]
-        requested = args.class_label or ["all"]
-        ids = []
-        for label in requested:
+        for label in args.class_label or ["all"]:
             if label == "all":
                 ids += range(num_classes)
             elif label in names:
@@ -131,16 +125,33 @@ def sample_ddpm(args):
             else:
                 raise UserError(f"--class_label '{label}' is not a class of this model; its classes are: "
                                 f"{', '.join(names)} (or ids 0-{num_classes - 1}, or 'all')")
-        class_ids = torch.tensor(ids).repeat_interleave(args.num_images)
     elif args.class_label:
         raise UserError(f"--class_label: '{args.model}' is unconditional (trained without --class_column)")
 
+    import torch
+    from diffusers import DDPMScheduler, UNet2DModel
+    from diffusers.utils import logging as diffusers_logging
+
+    from common.ddpm_sampling import (DEFAULT_GUIDANCE_SCALE, DEFAULT_INFERENCE_STEPS, DEFAULT_SCHEDULER,
+                                      make_scheduler, sample_images, to_pil)
+
+    device, dtype = choose_device_and_dtype(args)
+    verbosity = diffusers_logging.get_verbosity()
+    diffusers_logging.set_verbosity_error()  # unet_ema/config.json also holds the EMA's decay settings: not a problem
+    try:
+        unet = UNet2DModel.from_pretrained(unet_dir, torch_dtype=dtype).to(device).eval()
+        scheduler_config = DDPMScheduler.load_config(os.path.join(args.model, "scheduler"))
+    except (OSError, ValueError) as err:
+        raise UserError(f"--model '{args.model}': cannot load its UNet or scheduler: "
+                        f"{str(err).splitlines()[0]}") from None
+    finally:
+        diffusers_logging.set_verbosity(verbosity)
+
+    class_ids = torch.tensor(ids).repeat_interleave(args.num_images) if ids else None
     scheduler_name = args.scheduler or DEFAULT_SCHEDULER
     steps = args.num_inference_steps or DEFAULT_INFERENCE_STEPS
     guidance = args.guidance_scale if args.guidance_scale is not None else DEFAULT_GUIDANCE_SCALE
-    device, dtype = choose_device_and_dtype(args)
-    unet.to(device, dtype).eval()
-    count = len(class_ids) if class_ids is not None else args.num_images
+    count = len(class_ids) if ids else args.num_images
     images = sample_images(unet, make_scheduler(scheduler_name, scheduler_config), count, class_labels=class_ids,
                            null_class=num_classes, guidance_scale=guidance, num_inference_steps=steps,
                            batch_size=args.batch_size, generator=torch.Generator().manual_seed(args.seed))
@@ -149,15 +160,109 @@ def sample_ddpm(args):
     params = []
     for i in range(count):
         p = {**common, "index": i}
-        if class_ids is not None:
+        if ids:
             p.update(class_label=names[class_ids[i]], class_id=int(class_ids[i]), guidance_scale=guidance)
         params.append(p)
-    ncol = args.num_images if class_ids is not None else max(1, round(count ** 0.5))
+    ncol = args.num_images if ids else max(1, round(count ** 0.5))
     return save_images(to_pil(images), params, args.output_dir or os.path.join(args.model, "samples"), ncol)
 
 
 def sample_sd(args):
-    raise UserError("Stable Diffusion sampling is not implemented yet")
+    """A Stable Diffusion pipeline (hub id or folder) with --lora PATH[:SCALE]..., or a train_lora.py output or
+    checkpoint-N (its base is read from its lora_info.json). Image j of every prompt starts from seed + j."""
+    from common.sd_pipeline import LORA_WEIGHTS, check_sd_pipeline, decode_fp32, load_error, read_lora_info
+
+    if args.class_label or args.no_ema:
+        raise UserError(f"--class_label/--no_ema are for train_ddpm.py models; '{args.model}' is Stable Diffusion")
+    if not args.prompt:
+        raise UserError("give at least one --prompt (repeatable) for a Stable Diffusion model")
+    loras = [parse_lora(spec) for spec in args.lora]
+    info = read_lora_info(args.model) if os.path.isdir(args.model) else None
+    base = info["base_model"] if info else args.model
+    if info:
+        loras.insert(0, (args.model, 1.0))
+    check_sd_pipeline(base, f"base model of {args.model} (lora_info.json)" if info else "--model")
+    for path, _ in loras:
+        if os.path.isdir(path) and not os.path.isfile(os.path.join(path, LORA_WEIGHTS)):
+            raise UserError(f"--lora '{path}': no {LORA_WEIGHTS} in that folder")
+        if not os.path.exists(path) and (path.count("/") != 1 or path.endswith(".safetensors")):
+            raise UserError(f"--lora '{path}': no such file or folder")
+
+    import warnings
+
+    import torch
+    from diffusers import AutoencoderKL, StableDiffusionPipeline
+    from diffusers.utils import logging as diffusers_logging
+    from transformers.utils import logging as transformers_logging
+
+    from common.ddpm_sampling import make_scheduler
+
+    device, dtype = choose_device_and_dtype(args)
+    base_version = {"revision": info.get("revision"), "variant": info.get("variant")} if info else {}
+    try:  # the VAE in fp32 whatever --dtype says: an fp16 one decodes into black images
+        vae = AutoencoderKL.from_pretrained(base, subfolder="vae", dtype=torch.float32, **base_version)
+        pipe = StableDiffusionPipeline.from_pretrained(base, vae=vae, dtype=dtype, **base_version)
+    except (OSError, ValueError) as err:
+        raise load_error("--model", base, err) from None
+    if info and info.get("prediction_type"):  # the LoRA was trained to predict something else than its base
+        pipe.scheduler.register_to_config(prediction_type=info["prediction_type"])
+    if args.scheduler:
+        pipe.scheduler = make_scheduler(args.scheduler, pipe.scheduler.config)
+    names = [f"lora{i}" for i in range(len(loras))]
+    verbosity = diffusers_logging.get_verbosity(), transformers_logging.get_verbosity()
+    diffusers_logging.set_verbosity(diffusers_logging.CRITICAL)  # it logs the error below in full as well
+    transformers_logging.set_verbosity_error()  # a 2nd adapter "misses" the 1st one's keys: a false alarm
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Already found a `peft_config`")  # several LoRAs: wanted
+            for name, (path, _) in zip(names, loras):
+                folder, weight_name = (path, None) if not path.endswith(".safetensors") else os.path.split(path)
+                pipe.load_lora_weights(folder or ".", weight_name=weight_name, adapter_name=name)
+    except (RuntimeError, ValueError, KeyError, OSError) as err:
+        raise UserError(f"--lora '{path}' does not fit the base model '{base}' (a LoRA for another model?): "
+                        f"{' '.join(str(err).split())[:300]}") from None
+    finally:
+        diffusers_logging.set_verbosity(verbosity[0])
+        transformers_logging.set_verbosity(verbosity[1])
+    if names:
+        pipe.set_adapters(names, adapter_weights=[scale for _, scale in loras])
+    pipe.to(device)
+    pipe.set_progress_bar_config(disable=True)
+
+    steps = args.num_inference_steps or 30
+    guidance = args.guidance_scale if args.guidance_scale is not None else 7.5
+    jobs = [(prompt, j) for prompt in args.prompt for j in range(args.num_images)]
+    common = {"model": args.model, "base_model": base, "lora": ",".join(f"{p}:{s:g}" for p, s in loras),
+              "scheduler": args.scheduler or type(pipe.scheduler).__name__, "num_inference_steps": steps,
+              "guidance_scale": guidance, "guidance_rescale": args.guidance_rescale, "clip_skip": args.clip_skip,
+              "negative_prompt": args.negative_prompt or ""}
+    images, params = [], []
+    for start in range(0, len(jobs), args.batch_size):
+        batch = jobs[start:start + args.batch_size]
+        with torch.no_grad():
+            latents = pipe(
+                [prompt for prompt, _ in batch], negative_prompt=[args.negative_prompt] * len(batch)
+                if args.negative_prompt else None, height=args.height, width=args.width, num_inference_steps=steps,
+                guidance_scale=guidance, guidance_rescale=args.guidance_rescale, clip_skip=args.clip_skip,
+                generator=[torch.Generator().manual_seed(args.seed + j) for _, j in batch],
+                output_type="latent").images
+        images += decode_fp32(pipe, latents)
+        params += [{**common, "prompt": prompt, "seed": args.seed + j, "index": j, "height": image.height,
+                    "width": image.width} for (prompt, j), image in zip(batch, images[start:])]
+    output_dir = args.output_dir or (os.path.join(args.model, "samples") if os.path.isdir(args.model)
+                                     else os.path.join("outputs", "samples", args.model.replace("/", "--")))
+    return save_images(images, params, output_dir, args.num_images)
+
+
+def parse_lora(spec):
+    """PATH[:SCALE] -> (path, scale); a path may itself hold colons."""
+    path, sep, scale = spec.rpartition(":")
+    if sep:
+        try:
+            return path, float(scale)
+        except ValueError:
+            pass
+    return spec, 1.0
 
 
 def main(args):

@@ -26,14 +26,14 @@ import os
 import time
 
 from common.args import (add_checkpoint_args, add_data_args, add_logging_args, add_training_args, check_common_args,
-                         make_parser, non_negative_int, positive_float, positive_int, probability)
+                         make_parser, positive_float, positive_int, probability)
 from common.checkpoints import read_checkpoint_info, resolve_resume
 from common.cli import UserError, run
 from common.sd_pipeline import check_sd_pipeline
 
+TINY_SD = "models/tiny-sd"
 UNET_TARGETS = "to_k,to_q,to_v,to_out.0"
 TEXT_ENCODER_TARGETS = ["q_proj", "k_proj", "v_proj", "out_proj"]
-ADAPTER_FILE = "adapter_model.safetensors"
 SAME_LORA = ("rank", "lora_alpha", "target_modules", "use_dora", "train_text_encoder")  # needed to resume
 
 
@@ -51,7 +51,7 @@ def parse_args(argv=None):
     g.add_argument("--cache_latents", action="store_true",
                    help="VAE-encode every image once (implies --center_crop; with --random_flip both orientations).")
     g = parser.add_argument_group("model")
-    g.add_argument("--pretrained_model_name_or_path", default="models/tiny-sd",
+    g.add_argument("--pretrained_model_name_or_path", default=TINY_SD,
                    help="A StableDiffusionPipeline: hub id or folder (default: the offline tiny one of `make tiny-sd`).")
     g.add_argument("--revision", default=None, help="Hub revision of the base model.")
     g.add_argument("--variant", default=None, help="Weights variant of the base model, e.g. fp16.")
@@ -78,12 +78,15 @@ def parse_args(argv=None):
     g.add_argument("--validation_steps", type=positive_int, default=100, help="Every N optimizer steps, and at the end.")
     g.add_argument("--validation_inference_steps", type=positive_int, default=20)
     g.add_argument("--validation_guidance_scale", type=float, default=7.5)
-    add_training_args(parser, output_dir="outputs/lora", learning_rate=2e-3, train_batch_size=32, num_train_epochs=8,
+    add_training_args(parser, output_dir="outputs/lora", learning_rate=2e-3, train_batch_size=32, num_train_epochs=5,
                       lr_scheduler="constant", lr_warmup_steps=0)
     add_checkpoint_args(parser, checkpointing_steps=500)
     add_logging_args(parser, project_name="train_lora")
     args = parser.parse_args(argv)
     check_common_args(args)
+    if args.pretrained_model_name_or_path == TINY_SD and not os.path.isdir(TINY_SD):
+        parser.error(f"the default base {TINY_SD} is not built yet: run `make tiny-sd` (or give "
+                     "--pretrained_model_name_or_path, e.g. stable-diffusion-v1-5/stable-diffusion-v1-5)")
     check_sd_pipeline(args.pretrained_model_name_or_path, "--pretrained_model_name_or_path")
     args.lora_alpha = args.lora_alpha or args.rank
     args.center_crop = args.center_crop or args.cache_latents  # one cached crop per image: the center one
@@ -118,16 +121,12 @@ def main(args):
     from accelerate import Accelerator
     from accelerate.logging import get_logger
     from accelerate.utils import DataLoaderConfiguration, ProjectConfiguration, set_seed
-    from diffusers import AutoencoderKL, DDPMScheduler, UNet2DConditionModel
-    from diffusers.models.attention_processor import AttnProcessor2_0
-    from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
-    from diffusers.training_utils import cast_training_params, compute_snr
-    from peft import LoraConfig
     from tqdm.auto import tqdm
-    from transformers import CLIPTextModel, CLIPTokenizer
 
     from common.checkpoints import checkpoint_step, save_checkpoint
     from common.image_data import ImageDataset, load_image_dataset, require_columns
+    from common.latent_cache import CachedLatents
+    from common.lora_weights import load_lora_state, save_lora_state, save_lora_weights
     from common.lr_schedulers import build_lr_scheduler
     from common.model_card import write_model_card
     from common.param_groups import build_param_groups
@@ -175,16 +174,23 @@ def main(args):
                                   seed=args.seed)
 
     # 3. Model: the base frozen in the weight dtype (the VAE in fp32: fp16 decodes overflow), LoRA adapters in fp32.
+    from diffusers import AutoencoderKL, DDPMScheduler, UNet2DConditionModel
+    from diffusers.models.attention_processor import AttnProcessor2_0
+    from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
+    from diffusers.training_utils import cast_training_params, compute_snr
+    from peft import LoraConfig
+    from transformers import CLIPTextModel, CLIPTokenizer
+
     path, load = args.pretrained_model_name_or_path, {"revision": args.revision, "cache_dir": args.cache_dir}
     try:
         noise_scheduler = DDPMScheduler.from_pretrained(path, subfolder="scheduler", **load)
         tokenizer = CLIPTokenizer.from_pretrained(path, subfolder="tokenizer", **load)
         text_encoder = CLIPTextModel.from_pretrained(path, subfolder="text_encoder", variant=args.variant,
                                                      dtype=weight_dtype, **load)
-        vae = AutoencoderKL.from_pretrained(path, subfolder="vae", variant=args.variant, torch_dtype=torch.float32,
+        vae = AutoencoderKL.from_pretrained(path, subfolder="vae", variant=args.variant, dtype=torch.float32,
                                             **load)
         unet = UNet2DConditionModel.from_pretrained(path, subfolder="unet", variant=args.variant,
-                                                    torch_dtype=weight_dtype, **load)
+                                                    dtype=weight_dtype, **load)
     except (OSError, ValueError) as err:
         raise load_error("--pretrained_model_name_or_path", path, err) from None
     if args.prediction_type:
@@ -226,8 +232,8 @@ def main(args):
         with torch.no_grad(), accelerator.autocast():
             return vae.encode(pixel_values.to(accelerator.device, torch.float32)).latent_dist.parameters
 
-    def sample_latents(params):  # drawn afresh each step, from the cache or not: both runs draw the same noise
-        latents = DiagonalGaussianDistribution(params.float()).sample()
+    def sample_latents(params):  # drawn afresh each step; contiguous, or randn_like draws differ for channels-last
+        latents = DiagonalGaussianDistribution(params.float().contiguous()).sample()
         return (latents - (vae.config.shift_factor or 0.0)) * vae.config.scaling_factor
 
     if args.cache_latents:
@@ -424,91 +430,15 @@ def check_target_modules(model, targets, flag, what):
             raise UserError(f"{flag}: '{target}' matches no module of the {what}; {hint}")
 
 
-class CachedLatents:
-    """--cache_latents: each image's latent distribution (and its mirror image's, with --random_flip), encoded once.
-
-    Items {"latent_params", "index"}; the flip of each item is drawn exactly as ImageDataset draws it (same seed,
-    epoch and index), so a cached run sees the same data as an uncached one.
-    """
-
-    def __init__(self, images, encode, batch_size):
-        import torch
-
-        self.images, r = images, images.resolution
-        params = []
-        for start in range(0, len(images), batch_size):
-            pixels = []
-            for i in range(start, min(start + batch_size, len(images))):
-                x = images[i]["pixel_values"]
-                pixels.append(x.flip(-1) if images.augmentation(i, r, r)[2] else x)  # the unflipped image
-            pixels = torch.stack(pixels)
-            views = [pixels, pixels.flip(-1)] if images.random_flip else [pixels]
-            params.append(torch.stack([encode(v).cpu() for v in views], dim=1))
-        self.params = torch.cat(params)  # [N, views, 2 * latent channels, h, w]
-        images.cache = None  # the decoded images are not needed any more
-
-    def set_epoch(self, epoch):
-        self.images.set_epoch(epoch)
-
-    def __len__(self):
-        return len(self.images)
-
-    def __getitem__(self, index):
-        r = self.images.resolution
-        return {"latent_params": self.params[index, int(self.images.augmentation(index, r, r)[2])], "index": index}
-
-
-def save_lora_state(model, path):
-    """Checkpoint save hook: only the adapter's weights (peft names), as safetensors."""
-    from peft.utils import get_peft_model_state_dict
-    from safetensors.torch import save_file
-
-    os.makedirs(path, exist_ok=True)
-    state = {k: v.detach().contiguous() for k, v in get_peft_model_state_dict(model).items()}
-    save_file(state, os.path.join(path, ADAPTER_FILE))
-
-
-def load_lora_state(model, path, dtype):
-    """Checkpoint load hook: really set the adapter (a silent no-op would restart from the initial LoRA), re-upcast."""
-    from diffusers.training_utils import cast_training_params
-    from peft.utils import set_peft_model_state_dict
-    from safetensors.torch import load_file
-
-    state = load_file(os.path.join(path, ADAPTER_FILE))
-    result = set_peft_model_state_dict(model, state, adapter_name="default")
-    problems = list(result.unexpected_keys) + [k for k in result.missing_keys if "lora_" in k]
-    if problems:
-        raise UserError(f"--resume_from_checkpoint: {path} does not fit this LoRA ({problems[0]} ...)")
-    cast_training_params(model, dtype=dtype)
-
-
-def save_lora_weights(folder, lora_models, info, kohya=False):
-    """pytorch_lora_weights.safetensors (diffusers' names; the adapter config rides along as metadata, so alpha
-    and DoRA load back), lora_info.json, and with `kohya` the kohya-format file. Main process only."""
-    from diffusers import StableDiffusionPipeline
-    from diffusers.utils import convert_state_dict_to_diffusers
-    from peft.utils import get_peft_model_state_dict
-
-    from common.lora_export import KOHYA_WEIGHTS, save_kohya
-    from common.sd_pipeline import write_lora_info
-
-    states = {name: get_peft_model_state_dict(model) for name, model in lora_models.items()}
-    configs = {name: model.peft_config["default"].to_dict() for name, model in lora_models.items()}
-    StableDiffusionPipeline.save_lora_weights(
-        folder, unet_lora_layers=convert_state_dict_to_diffusers(states["unet"]),
-        text_encoder_lora_layers=convert_state_dict_to_diffusers(states["text_encoder"]) if "text_encoder" in states
-        else None, unet_lora_adapter_metadata=configs["unet"],
-        text_encoder_lora_adapter_metadata=configs.get("text_encoder"))
-    if kohya:
-        save_kohya(os.path.join(folder, KOHYA_WEIGHTS), states["unet"], info["lora_alpha"], states.get("text_encoder"))
-    write_lora_info(folder, info)
-
-
 def validate(args, accelerator, vae, tokenizer, scheduler, unet, text_encoder, step):
-    """Images of the validation prompts from the current LoRA (main process), saved under samples/step-N/ and
-    logged to the trackers. Latents come from the pipeline; the VAE decodes them in fp32 (fp16 gives black images)."""
+    """Images of the validation prompts from the current LoRA (main process; the others wait), saved under
+    samples/step-N/ and logged to the trackers (a row per prompt). The VAE decodes in fp32, outside autocast."""
     import torch
     from diffusers import DPMSolverMultistepScheduler, StableDiffusionPipeline
+    from PIL import Image
+
+    from common.sd_pipeline import decode_fp32
+    from common.trackers import log_image
 
     paths = []
     if accelerator.is_main_process:
@@ -520,37 +450,23 @@ def validate(args, accelerator, vae, tokenizer, scheduler, unet, text_encoder, s
         text_encoder.eval()
         folder = os.path.join(args.output_dir, "samples", f"step-{step}")
         os.makedirs(folder, exist_ok=True)
-        images = []
         for p, prompt in enumerate(args.validation_prompt):
             generators = [torch.Generator().manual_seed(args.seed + j) for j in range(args.num_validation_images)]
-            with torch.no_grad():
-                with accelerator.autocast():
-                    latents = pipe([prompt] * len(generators), num_inference_steps=args.validation_inference_steps,
-                                   guidance_scale=args.validation_guidance_scale, generator=generators,
-                                   output_type="latent").images
-                decoded = vae.decode(latents.float() / vae.config.scaling_factor + (vae.config.shift_factor or 0.0))
-            for j, image in enumerate(pipe.image_processor.postprocess(decoded.sample.float(), output_type="pil")):
+            with torch.no_grad(), accelerator.autocast():
+                latents = pipe([prompt] * len(generators), num_inference_steps=args.validation_inference_steps,
+                               guidance_scale=args.validation_guidance_scale, generator=generators,
+                               output_type="latent").images
+            images = decode_fp32(pipe, latents)
+            row = Image.new("RGB", (sum(im.width for im in images), images[0].height))
+            for j, image in enumerate(images):
                 paths.append(os.path.join(folder, f"{p}-{j}.png"))
                 image.save(paths[-1])
-                images.append((prompt, image))
+                row.paste(image, (j * image.width, 0))
+            log_image(accelerator, f"validation/{p}", row, step)
         unet.train()
         text_encoder.train(args.train_text_encoder)
-        log_images(accelerator, images, step)
     accelerator.wait_for_everyone()
     return paths
-
-
-def log_images(accelerator, images, step):
-    import numpy as np
-
-    for tracker in accelerator.trackers:
-        if tracker.name == "tensorboard":
-            tracker.writer.add_images("validation", np.stack([np.asarray(im) for _, im in images]), step,
-                                      dataformats="NHWC")
-        elif tracker.name == "wandb":
-            import wandb
-
-            tracker.log({"validation": [wandb.Image(im, caption=p) for p, im in images]}, step=step)
 
 
 if __name__ == "__main__":

@@ -45,3 +45,16 @@ def read_lora_info(folder):
         return None
     with open(path) as f:
         return json.load(f)
+
+
+def decode_fp32(pipe, latents):
+    """Latents -> PIL images with the pipeline's VAE in fp32 (an fp16 VAE overflows into black images), through the
+    pipeline's safety checker when it has one, exactly as its own output_type="pil" would."""
+    import torch
+
+    vae = pipe.vae if pipe.vae.dtype == torch.float32 else pipe.vae.to(torch.float32)
+    with torch.no_grad():
+        image = vae.decode(latents.float() / vae.config.scaling_factor + (vae.config.shift_factor or 0.0)).sample
+        image, nsfw = pipe.run_safety_checker(image, image.device, pipe.unet.dtype)
+    denormalize = None if nsfw is None else [not flagged for flagged in nsfw]
+    return pipe.image_processor.postprocess(image.float(), output_type="pil", do_denormalize=denormalize)

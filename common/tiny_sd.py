@@ -2,9 +2,10 @@
 
 The same layout as stable-diffusion-v1-5 (UNet2DConditionModel, AutoencoderKL, CLIPTextModel, CLIPTokenizer,
 DDPMScheduler with SD's betas), so `StableDiffusionPipeline.from_pretrained` loads it and train_lora.py trains on it
-exactly as on the real model, but ~1 M parameters: 32 px images -> 8x8x4 latents (a 3-level VAE), a 2-level UNet
-with cross-attention at both levels, a 2-layer CLIP text encoder. Its weights are random: it produces noise, not
-pictures. Nothing is downloaded: the tokenizer's byte-level vocabulary (no merges) is written here.
+exactly as on the real model, but 2.4 M parameters: 32 px images -> 8x8x4 latents (a 3-level VAE with SD's two
+ResNet layers per level, so that encoding costs what it costs in SD relative to the UNet), a 2-level UNet with
+cross-attention at both levels, a 2-layer CLIP text encoder (77 tokens). Its weights are random: it produces noise,
+not pictures. Nothing is downloaded: the tokenizer's byte-level vocabulary (no merges) is written here.
 """
 import argparse
 import json

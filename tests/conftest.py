@@ -61,3 +61,13 @@ def digits(tmp_path_factory):
     path = tmp_path_factory.mktemp("data") / "digits"
     write_digits(str(path))
     return path
+
+
+@pytest.fixture(scope="session")
+def tiny_sd(tmp_path_factory):
+    """The tiny random-init Stable Diffusion pipeline of `make tiny-sd`, built once per test session."""
+    from common.tiny_sd import write_tiny_sd
+
+    path = tmp_path_factory.mktemp("models") / "tiny-sd"
+    write_tiny_sd(str(path))
+    return path
