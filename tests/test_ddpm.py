@@ -1,0 +1,213 @@
+"""train_ddpm.py and sample.py (DDPM outputs) end to end: real runs through `accelerate launch`, tiny UNets at 8 px."""
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import assert_one_line_error, launch, read_results, run_script
+
+# 48 images in batches of 8 with accumulation 2: 3 optimizer steps per epoch, so checkpoint-4 is mid-epoch.
+TINY = ["--resolution", "8", "--block_out_channels", "16,32", "--max_train_samples", "48", "--train_batch_size", "8",
+        "--gradient_accumulation_steps", "2", "--max_train_steps", "8", "--ddpm_num_steps", "100",
+        "--lr_warmup_steps", "2", "--checkpointing_steps", "4", "--validation_steps", "4",
+        "--num_validation_images", "2", "--validation_inference_steps", "2"]
+CONDITIONAL = ["--class_column", "label", "--use_ema", "--ema_inv_gamma", "0.1", "--snr_gamma", "5",
+               "--guidance_scale", "2"]
+WEIGHTS = "unet/diffusion_pytorch_model.safetensors"
+
+
+@pytest.fixture(scope="module")
+def eval_classifier(tmp_path_factory):
+    """A random-weight ResNet in the layout train_classifier.py writes (enough to exercise the metrics)."""
+    from transformers import AutoModelForImageClassification, ResNetConfig
+    from transformers.models.vit.image_processing_pil_vit import ViTImageProcessorPil
+
+    from train_classifier import small_resnet_config
+
+    path = tmp_path_factory.mktemp("classifier") / "clf"
+    config = small_resnet_config(ResNetConfig, 10, {i: str(i) for i in range(10)})
+    AutoModelForImageClassification.from_config(config).save_pretrained(path)
+    ViTImageProcessorPil(size={"height": 32, "width": 32}, image_mean=[0.5] * 3, image_std=[0.5] * 3).save_pretrained(
+        path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def trained(digits, eval_classifier, tmp_path_factory):
+    out = tmp_path_factory.mktemp("ddpm") / "run"
+    launch("train_ddpm.py", "--train_data_dir", digits, "--output_dir", out, *TINY, *CONDITIONAL,
+           "--eval_classifier", eval_classifier)
+    return out
+
+
+def test_class_conditional_run_writes_a_pipeline_with_ema_weights(trained):
+    from diffusers import DDPMPipeline, UNet2DModel
+
+    results = read_results(trained)
+    assert results["global_step"] == 8 and results["num_processes"] == 1
+    assert 0.0 <= results["sample_accuracy"] <= 1.0 and results["frechet_distance"] >= 0.0
+    assert json.loads((trained / "labels.json").read_text()) == [str(i) for i in range(10)]
+    for step in (4, 8):
+        checkpoint = trained / f"checkpoint-{step}"
+        for part in ("unet/config.json", "unet_ema/config.json", "scheduler/scheduler_config.json", "labels.json"):
+            assert (checkpoint / part).exists(), part
+        assert (trained / f"samples/step-{step}.png").exists()
+    assert list((trained / "logs").rglob("events.out.tfevents.*"))
+    unet = UNet2DModel.from_pretrained(trained / "unet")
+    assert unet.config.num_class_embeds == 11 and unet.config.sample_size == 8
+    pipe = DDPMPipeline.from_pretrained(trained)
+    assert pipe.scheduler.config.num_train_timesteps == 100
+    # The export is the EMA, and the EMA is not the training weights.
+    exported = load_file(trained / WEIGHTS)
+    ema = load_file(trained / "checkpoint-8/unet_ema/diffusion_pytorch_model.safetensors")
+    raw = load_file(trained / "checkpoint-8" / WEIGHTS)
+    assert all(torch.equal(exported[k], ema[k]) for k in exported)
+    assert any(not torch.equal(exported[k], raw[k]) for k in exported)
+
+
+def test_resume_from_mid_epoch_checkpoint_matches_uninterrupted_run(trained, digits, eval_classifier, tmp_path):
+    resumed = tmp_path / "resumed"
+    resumed.mkdir()
+    shutil.copytree(trained / "checkpoint-4", resumed / "checkpoint-4")
+    launch("train_ddpm.py", "--train_data_dir", digits, "--output_dir", resumed, *TINY, *CONDITIONAL,
+           "--eval_classifier", eval_classifier, "--resume_from_checkpoint", "latest", "--report_to", "none")
+    assert read_results(resumed)["global_step"] == 8
+    for weights in (WEIGHTS, "checkpoint-8/" + WEIGHTS, "checkpoint-8/unet_ema/diffusion_pytorch_model.safetensors"):
+        a, b = load_file(trained / weights), load_file(resumed / weights)
+        differing = [k for k in a if not torch.equal(a[k], b[k])]
+        assert not differing, (weights, differing[:5])
+
+
+def test_two_processes_unconditional(digits, tmp_path):
+    from diffusers import DDPMPipeline
+
+    out = tmp_path / "ddp"
+    launch("train_ddpm.py", "--train_data_dir", digits, "--output_dir", out, *TINY, "--report_to", "none",
+           "--prediction_type", "v_prediction", config="cpu_2proc.yaml")
+    assert read_results(out)["num_processes"] == 2
+    assert not (out / "labels.json").exists() and (out / "samples/step-8.png").exists()
+    pipe = DDPMPipeline.from_pretrained(out)
+    image = pipe(batch_size=1, num_inference_steps=2, generator=torch.Generator().manual_seed(0)).images[0]
+    assert image.size == (8, 8)
+
+
+def test_sample_py_is_deterministic_and_records_its_parameters(trained, tmp_path):
+    from PIL import Image
+
+    args = ["--model", trained / "checkpoint-8", "--class_label", "3", "--class_label", "all", "--num_images", "2",
+            "--guidance_scale", "3", "--num_inference_steps", "3", "--batch_size", "8"]
+    runs = []
+    for name in ("a", "b", "raw"):
+        extra = ["--no_ema"] if name == "raw" else []
+        proc = run_script("sample.py", *args, *extra, "--output_dir", tmp_path / name)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs.append({p.name: p.read_bytes() for p in (tmp_path / name).glob("*.png")})
+    assert len(runs[0]) == 22 + 1 and runs[0] == runs[1]  # (1 + 10 classes) x 2 images, and grid.png
+    assert runs[2]["0000.png"] != runs[0]["0000.png"]  # --no_ema: the raw weights draw other pixels
+    info = Image.open(tmp_path / "a/0001.png").text
+    assert info["class_label"] == "3" and info["guidance_scale"] == "3.0" and info["weights"] == "ema"
+    assert json.loads(info["parameters"])["scheduler"] == "ddim"
+    assert Image.open(tmp_path / "a/grid.png").size == (2 * 8, 11 * 8)
+
+
+def test_guidance_one_is_plain_conditional_sampling_and_guidance_combines_both():
+    from diffusers import DDIMScheduler, UNet2DModel
+
+    from common.ddpm_sampling import sample_images
+
+    torch.manual_seed(0)
+    unet = UNet2DModel(sample_size=8, block_out_channels=(8, 16), down_block_types=("DownBlock2D", "DownBlock2D"),
+                       up_block_types=("UpBlock2D", "UpBlock2D"), norm_num_groups=4, num_class_embeds=4).eval()
+    scheduler = DDIMScheduler(num_train_timesteps=100)
+    labels = torch.tensor([0, 1, 2])
+
+    def by_hand(w):
+        x = torch.randn((3, 3, 8, 8), generator=torch.Generator().manual_seed(7))
+        scheduler.set_timesteps(4)
+        for t in scheduler.timesteps:
+            with torch.no_grad():
+                cond = unet(x, t, class_labels=labels).sample
+                uncond = unet(x, t, class_labels=torch.full_like(labels, 3)).sample
+            x = scheduler.step(cond if w == 1 else uncond + w * (cond - uncond), t, x).prev_sample
+        return (x / 2 + 0.5).clamp(0, 1)
+
+    def sampled(w):
+        return sample_images(unet, scheduler, 3, class_labels=labels, null_class=3, guidance_scale=w,
+                             num_inference_steps=4, generator=torch.Generator().manual_seed(7))
+
+    assert torch.equal(sampled(1.0), by_hand(1))
+    torch.testing.assert_close(sampled(3.0), by_hand(3.0), atol=1e-5, rtol=0)
+    assert not torch.allclose(sampled(3.0), sampled(1.0))
+
+
+def test_class_dropout_rate():
+    from train_ddpm import drop_class_labels
+
+    torch.manual_seed(0)
+    labels = torch.randint(0, 10, (200_000,))
+    dropped = drop_class_labels(labels, 10, 0.1)
+    is_null = dropped == 10
+    assert abs(is_null.float().mean().item() - 0.1) < 0.005
+    assert torch.equal(dropped[~is_null], labels[~is_null])
+    assert torch.equal(drop_class_labels(labels, 10, 0.0), labels)
+    assert (drop_class_labels(labels, 10, 1.0) == 10).all()
+
+
+def test_min_snr_weights():
+    from train_ddpm import min_snr_weights
+
+    snr = torch.tensor([0.5, 5.0, 50.0])
+    torch.testing.assert_close(min_snr_weights(snr, 5.0, "epsilon"), torch.tensor([1.0, 1.0, 0.1]))
+    torch.testing.assert_close(min_snr_weights(snr, 5.0, "v_prediction"), torch.tensor([0.5 / 1.5, 5 / 6, 5 / 51]))
+    torch.testing.assert_close(min_snr_weights(snr, 5.0, "sample"), torch.tensor([0.5, 5.0, 5.0]))
+
+
+@pytest.mark.parametrize("flags,needle", [
+    (["--class_column", "digit"], "--class_column 'digit' is not a column of the dataset"),
+    (["--resolution", "10"], "--resolution 10 is not divisible by 4"),
+    (["--model_config_name_or_path", "CONFIG"], "has in_channels=1, out_channels=1, but the images have 3"),
+    (["--pretrained_model_name_or_path", "/no/such/model"], "cannot load a UNet2DModel from '/no/such/model'"),
+    (["--ddpm_beta_end", "1e-5"], "--ddpm_beta_end must be larger"),
+    (["--block_out_channels", "16,x"], "--block_out_channels"),
+])
+def test_bad_training_input_is_one_line_and_writes_nothing(digits, tmp_path, flags, needle):
+    config = tmp_path / "unet.json"
+    config.write_text(json.dumps({"in_channels": 1, "out_channels": 1, "block_out_channels": [16, 32],
+                                  "down_block_types": ["DownBlock2D"] * 2, "up_block_types": ["UpBlock2D"] * 2,
+                                  "norm_num_groups": 4}))
+    flags = [str(config) if f == "CONFIG" else f for f in flags]
+    proc = run_script("train_ddpm.py", "--train_data_dir", digits, "--output_dir", tmp_path / "out", *flags)
+    assert_one_line_error(proc, needle)
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.fixture(scope="module")
+def unconditional_model(tmp_path_factory):
+    from diffusers import DDPMScheduler, UNet2DModel
+
+    path = tmp_path_factory.mktemp("uncond") / "model"
+    UNet2DModel(sample_size=8, block_out_channels=(8, 16), down_block_types=("DownBlock2D", "DownBlock2D"),
+                up_block_types=("UpBlock2D", "UpBlock2D"), norm_num_groups=4).save_pretrained(path / "unet")
+    DDPMScheduler(num_train_timesteps=100).save_pretrained(path / "scheduler")
+    return path
+
+
+def test_sample_py_bad_input(trained, unconditional_model, tmp_path):
+    broken = tmp_path / "broken"
+    (broken / "unet").mkdir(parents=True)
+    (broken / "scheduler").mkdir()
+    (tmp_path / "empty").mkdir()
+    cases = [
+        (["--model", unconditional_model, "--class_label", "3"], "is unconditional"),
+        (["--model", trained, "--class_label", "eleven"], "--class_label 'eleven' is not a class of this model"),
+        (["--model", trained, "--class_label", "10"], "is not a class of this model"),
+        (["--model", broken], "is not a train_ddpm.py output"),
+        (["--model", trained, "--prompt", "a digit"], "--prompt/--lora are for Stable Diffusion"),
+        (["--model", tmp_path / "empty"], "error"),  # not a DDPM folder at all: handled by the other branch
+    ]
+    for args, needle in cases:
+        out = tmp_path / "out"
+        line = assert_one_line_error(run_script("sample.py", *args, "--output_dir", out), needle)
+        assert not out.exists(), line
