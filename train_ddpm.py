@@ -2,12 +2,13 @@
 """Train a DDPM from scratch, unconditional or class-conditional with classifier-free guidance.
 
 The DDPM part of the seed notes, complete: `DDPMScheduler.add_noise` at random timesteps, the UNet predicting the
-noise (or v, or the clean image), MSE (min-SNR weighted if asked), an EMA of the weights, class dropout so that one
+noise (or v, or the clean image), MSE with min-SNR-gamma weights, an EMA of the weights, class dropout so that one
 model learns the conditional and the unconditional prediction (guidance: uncond + w * (cond - uncond)), validation
 grids drawn with a fast sampler (DDIM/DPM-Solver) and scored by a train_classifier.py classifier when given,
 resumable checkpoints, and an output that `DDPMPipeline.from_pretrained` loads (sample.py draws from it).
 
-Built-in demo (scikit-learn's digits, a row per digit, a 1 M-parameter UNet from scratch, CPU, ~6 minutes):
+Built-in demo (scikit-learn's digits at 16 px, a row per digit, a 0.7 M-parameter UNet from scratch, one CPU
+thread, ~7.5 minutes; a separate classifier recognises ~98 % of its samples at the default guidance 1.5):
     make train-ddpm && make sample-ddpm
 One GPU:
     accelerate launch --config_file accelerate_configs/single_gpu.yaml train_ddpm.py --class_column label --use_ema
@@ -30,16 +31,7 @@ from common.args import (add_checkpoint_args, add_data_args, add_logging_args, a
 from common.cli import UserError, run
 from common.ddpm_sampling import (DEFAULT_GUIDANCE_SCALE, DEFAULT_INFERENCE_STEPS, DEFAULT_SCHEDULER,
                                   SCHEDULER_CLASSES)
-
-
-def channel_list(text):
-    channels = tuple(int(c) for c in text.split(","))
-    if not channels or min(channels) <= 0:
-        raise ValueError
-    return channels
-
-
-channel_list.__name__ = "comma-separated list of positive integers"
+from common.unet_config import channel_list, check_unet_shape, unet_config_source
 
 
 def parse_args(argv=None):
@@ -85,7 +77,7 @@ def parse_args(argv=None):
     g.add_argument("--eval_classifier", default=None,
                    help="A train_classifier.py output: log sample accuracy and the Fréchet distance of its features.")
     add_training_args(parser, output_dir="outputs/ddpm", learning_rate=2e-3, train_batch_size=64,
-                      num_train_epochs=90, lr_scheduler="warmup_cosine", lr_warmup_steps=100, adam_weight_decay=1e-6)
+                      num_train_epochs=55, lr_scheduler="warmup_cosine", lr_warmup_steps=100, adam_weight_decay=1e-6)
     add_checkpoint_args(parser, checkpointing_steps=500)
     add_logging_args(parser, project_name="train_ddpm")
     args = parser.parse_args(argv)
@@ -363,53 +355,6 @@ def build_unet(args, unet_class, num_class_embeds):
         raise UserError(f"{source} has num_class_embeds={config.num_class_embeds}; this run needs {want}")
     unet.register_to_config(sample_size=args.resolution)  # DDPMPipeline samples at this size
     return unet
-
-
-def unet_config_source(args):
-    """(config dict or None for a hub id, its name for messages) of --model_config_name_or_path or the default."""
-    path = args.model_config_name_or_path
-    if path is None:
-        return default_unet_config(args.block_out_channels, args.layers_per_block, None), "the default UNet"
-    source = f"the config '{path}'"
-    file = os.path.join(path, "config.json") if os.path.isdir(path) else path
-    if not os.path.isfile(file):
-        if os.path.exists(path) or path.count("/") > 1:
-            raise UserError(f"--model_config_name_or_path: no UNet2DModel config at '{path}'")
-        return None, source
-    try:
-        with open(file) as f:
-            config = json.load(f)
-    except (OSError, ValueError) as err:
-        raise UserError(f"--model_config_name_or_path: '{file}' is not a json config: {err}") from None
-    if not isinstance(config, dict):
-        raise UserError(f"--model_config_name_or_path: '{file}' is not a json object")
-    return config, source
-
-
-def check_unet_shape(config, resolution, source):
-    """The UNet fits the data: 3 channels in and out, and a resolution its down blocks can halve evenly."""
-    blocks = len(config.get("down_block_types", [None] * 4))  # UNet2DModel's default has 4
-    factor = 2 ** (blocks - 1)  # every down block but the last halves the resolution
-    if resolution % factor:
-        raise UserError(f"--resolution {resolution} is not divisible by {factor}, the total downsampling of "
-                        f"{source} ({blocks} down blocks)")
-    channels = config.get("in_channels", 3), config.get("out_channels", 3)
-    if channels != (3, 3):
-        raise UserError(f"{source} has in_channels={channels[0]}, out_channels={channels[1]}, "
-                        "but the images have 3 (RGB)")
-
-
-def default_unet_config(block_out_channels, layers_per_block, num_class_embeds):
-    """A small UNet2DModel config: ~1 M parameters with the defaults, fast enough for CPU demos."""
-    levels = len(block_out_channels)
-    down, up = ["DownBlock2D"] * levels, ["UpBlock2D"] * levels
-    if levels > 1:  # self-attention only at the coarsest level, where it is cheap
-        down[-1], up[0] = "AttnDownBlock2D", "AttnUpBlock2D"
-    return {"in_channels": 3, "out_channels": 3, "block_out_channels": list(block_out_channels),
-            "layers_per_block": layers_per_block, "down_block_types": down, "up_block_types": up,
-            # groups of >= 4 channels, at most 32 groups (diffusers' default)
-            "norm_num_groups": min(32, max(1, math.gcd(*block_out_channels) // 4)),
-            "num_class_embeds": num_class_embeds}
 
 
 def drop_class_labels(class_labels, null_class, prob):

@@ -1,5 +1,6 @@
 """User mistakes end in one clear line and a non-zero exit, never a traceback."""
 import argparse
+import logging
 import os
 import sys
 
@@ -21,6 +22,8 @@ def _is_rank_zero():
 
 def run(main, parse_args, argv=None):
     """Parse the flags and run `main(args)`; turn a UserError into `error: <message>` and exit 2."""
+    # A handler for the scripts' own INFO loggers; libraries keep their WARNING levels.
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     try:
         main(parse_args(argv))
     except UserError as err:

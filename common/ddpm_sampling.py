@@ -11,7 +11,7 @@ import inspect
 # the digits demo (accuracy of a separate classifier on the samples; table in the README).
 DEFAULT_SCHEDULER = "ddim"
 DEFAULT_INFERENCE_STEPS = 50
-DEFAULT_GUIDANCE_SCALE = 1.0
+DEFAULT_GUIDANCE_SCALE = 1.5
 
 SCHEDULER_CLASSES = {
     "ddpm": "DDPMScheduler", "ddim": "DDIMScheduler", "dpm": "DPMSolverMultistepScheduler",

@@ -54,7 +54,14 @@ def test_class_conditional_run_writes_a_pipeline_with_ema_weights(trained):
         for part in ("unet/config.json", "unet_ema/config.json", "scheduler/scheduler_config.json", "labels.json"):
             assert (checkpoint / part).exists(), part
         assert (trained / f"samples/step-{step}.png").exists()
-    assert list((trained / "logs").rglob("events.out.tfevents.*"))
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tags = set()
+    for events in (trained / "logs").rglob("events.out.tfevents.*"):
+        accumulator = EventAccumulator(str(events))
+        accumulator.Reload()
+        tags |= set(accumulator.Tags()["images"]) | set(accumulator.Tags()["scalars"])
+    assert {"validation", "validation/sample_accuracy", "train/loss"} <= tags, tags
     unet = UNet2DModel.from_pretrained(trained / "unet")
     assert unet.config.num_class_embeds == 11 and unet.config.sample_size == 8
     pipe = DDPMPipeline.from_pretrained(trained)
@@ -153,6 +160,15 @@ def test_class_dropout_rate():
     assert torch.equal(dropped[~is_null], labels[~is_null])
     assert torch.equal(drop_class_labels(labels, 10, 0.0), labels)
     assert (drop_class_labels(labels, 10, 1.0) == 10).all()
+
+
+def test_frechet_distance():
+    from common.classifier_metrics import frechet_distance
+
+    a = torch.randn(4000, 4, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    assert abs(frechet_distance(a, a)) < 1e-6
+    assert frechet_distance(a, a + 3) == pytest.approx(36.0, rel=1e-6)  # mean shift of 3 in 4 dimensions
+    assert frechet_distance(a, 2 * a) == pytest.approx(4.0, rel=0.05)  # tr(I + 4I - 2 * 2I) = 4
 
 
 def test_min_snr_weights():
