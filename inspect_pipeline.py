@@ -24,9 +24,9 @@ import json
 import os
 import re
 
-from common.args import make_parser, non_negative_int, positive_int
+from common.args import check_writable, make_parser, non_negative_int, positive_int
 from common.cli import UserError, run
-from common.sd_pipeline import LORA_WEIGHTS, TINY_HINT, read_lora_info
+from common.sd_pipeline import LORA_WEIGHTS, TINY_HINT, check_safetensors, read_lora_info
 # common.call_recorder, the pipelines and torch are imported in main(): --help and flag errors answer at once.
 
 DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
@@ -89,10 +89,12 @@ def check_args(args):
         weights = os.path.join(args.lora, LORA_WEIGHTS) if os.path.isdir(args.lora) else args.lora
         if not os.path.isfile(weights) or not weights.endswith(".safetensors"):
             raise UserError(f"--lora '{args.lora}' is neither a .safetensors file nor a folder with {LORA_WEIGHTS}")
+        check_safetensors(weights, "--lora")
     if args.save_trajectory:
         args.trace = True
         if not args.save_trajectory.lower().endswith(".png"):
             raise UserError(f"--save_trajectory '{args.save_trajectory}': give a .png file name")
+        check_writable(os.path.dirname(args.save_trajectory) or ".", "--save_trajectory", args.save_trajectory)
         if args.trajectory_steps > args.num_inference_steps:
             raise UserError(f"--trajectory_steps {args.trajectory_steps} is more than --num_inference_steps "
                             f"{args.num_inference_steps}")
@@ -223,7 +225,7 @@ def load_lora(pipe, args):
                    if hasattr(c, "parameters")}
     try:
         pipe.load_lora_weights(folder, weight_name=weight_name, adapter_name="inspected")
-    except (RuntimeError, ValueError, KeyError) as err:
+    except (RuntimeError, ValueError, KeyError, OSError) as err:
         mismatch = re.search(r"size mismatch for (\S+): copying a param with shape torch.Size\((\[[^]]*\])\) from "
                              r"checkpoint, the shape in current model is torch.Size\((\[[^]]*\])\)", str(err))
         if mismatch:

@@ -13,7 +13,7 @@ A train_lora.py output or checkpoint (its base model is read from its metadata),
 import json
 import os
 
-from common.args import make_parser, non_negative_int, positive_float, positive_int
+from common.args import check_writable, make_parser, non_negative_int, positive_float, positive_int
 from common.cli import UserError, run
 
 SCHEDULERS = ["ddpm", "ddim", "dpm", "euler", "euler_a", "pndm", "unipc"]
@@ -127,6 +127,7 @@ def sample_ddpm(args):
                                 f"{', '.join(names)} (or ids 0-{num_classes - 1}, or 'all')")
     elif args.class_label:
         raise UserError(f"--class_label: '{args.model}' is unconditional (trained without --class_column)")
+    check_writable(output_dir(args), "--output_dir")
 
     import torch
     from diffusers import DDPMScheduler, UNet2DModel
@@ -164,13 +165,14 @@ def sample_ddpm(args):
             p.update(class_label=names[class_ids[i]], class_id=int(class_ids[i]), guidance_scale=guidance)
         params.append(p)
     ncol = args.num_images if ids else max(1, round(count ** 0.5))
-    return save_images(to_pil(images), params, args.output_dir or os.path.join(args.model, "samples"), ncol)
+    return save_images(to_pil(images), params, output_dir(args), ncol)
 
 
 def sample_sd(args):
     """A Stable Diffusion pipeline (hub id or folder) with --lora PATH[:SCALE]..., or a train_lora.py output or
     checkpoint-N (its base is read from its lora_info.json). Image j of every prompt starts from seed + j."""
-    from common.sd_pipeline import LORA_WEIGHTS, check_sd_pipeline, decode_fp32, load_error, read_lora_info
+    from common.sd_pipeline import (LORA_WEIGHTS, check_safetensors, check_sd_pipeline, decode_fp32, load_error,
+                                    read_lora_info)
 
     if args.class_label or args.no_ema:
         raise UserError(f"--class_label/--no_ema are for train_ddpm.py models; '{args.model}' is Stable Diffusion")
@@ -187,6 +189,9 @@ def sample_sd(args):
             raise UserError(f"--lora '{path}': no {LORA_WEIGHTS} in that folder")
         if not os.path.exists(path) and (path.count("/") != 1 or path.endswith(".safetensors")):
             raise UserError(f"--lora '{path}': no such file or folder")
+        if os.path.exists(path):  # a damaged or non-safetensors file: at once, not after the base has loaded
+            check_safetensors(os.path.join(path, LORA_WEIGHTS) if os.path.isdir(path) else path, "--lora")
+    check_writable(output_dir(args), "--output_dir")
 
     import warnings
 
@@ -224,6 +229,11 @@ def sample_sd(args):
     finally:
         diffusers_logging.set_verbosity(verbosity[0])
         transformers_logging.set_verbosity(verbosity[1])
+    present = {name for adapters in pipe.get_list_adapters().values() for name in adapters} if names else set()
+    for name, (path, _) in zip(names, loras):  # diffusers loads a LoRA whose keys match no layer without a word
+        if name not in present:
+            raise UserError(f"--lora '{path}' adapts no layer of the base model '{base}': none of its keys name a "
+                            "module of this base (a LoRA for another architecture?)")
     if names:
         pipe.set_adapters(names, adapter_weights=[scale for _, scale in loras])
     pipe.to(device)
@@ -249,9 +259,16 @@ def sample_sd(args):
         images += decode_fp32(pipe, latents)
         params += [{**common, "prompt": prompt, "seed": args.seed + j, "index": j, "height": image.height,
                     "width": image.width} for (prompt, j), image in zip(batch, images[start:])]
-    output_dir = args.output_dir or (os.path.join(args.model, "samples") if os.path.isdir(args.model)
-                                     else os.path.join("outputs", "samples", args.model.replace("/", "--")))
-    return save_images(images, params, output_dir, args.num_images)
+    return save_images(images, params, output_dir(args), args.num_images)
+
+
+def output_dir(args):
+    """--output_dir, else <model>/samples for a folder, else outputs/samples/<owner>--<name> for a hub id."""
+    if args.output_dir:
+        return args.output_dir
+    if os.path.isdir(args.model):
+        return os.path.join(args.model, "samples")
+    return os.path.join("outputs", "samples", args.model.replace("/", "--"))
 
 
 def parse_lora(spec):

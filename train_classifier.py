@@ -25,7 +25,7 @@ import os
 import time
 
 from common.args import (add_checkpoint_args, add_data_args, add_logging_args, add_training_args, check_common_args,
-                         make_parser, positive_int)
+                         check_model_folder, make_parser, positive_int)
 from common.cli import UserError, run
 from common.param_groups import parse_lr_groups
 
@@ -53,6 +53,10 @@ def parse_args(argv=None):
     check_common_args(args)
     if (args.text_column is None) != (args.text_model_name_or_path is None):
         parser.error("--text_column and --text_model_name_or_path go together")
+    if args.model_name_or_path:
+        check_model_folder(args.model_name_or_path, "--model_name_or_path", "config.json", "an image classifier")
+    if args.text_model_name_or_path:
+        check_model_folder(args.text_model_name_or_path, "--text_model_name_or_path", "config.json", "a text model")
     return args
 
 
@@ -65,10 +69,11 @@ def main(args):
     from sklearn.metrics import f1_score
     from tqdm.auto import tqdm
 
-    from common.checkpoints import checkpoint_step, resolve_resume, save_checkpoint
+    from common.checkpoints import checkpoint_step, load_checkpoint, resolve_resume, save_checkpoint
     from common.image_data import ImageDataset, label_names, load_image_dataset, require_columns
     from common.lr_schedulers import build_lr_scheduler
     from common.model_card import write_model_card
+    from common.nonfinite_loss import finite_step
     from common.param_groups import build_param_groups
     from common.preemption import PreemptionGuard
     from common.run_summary import write_all_results
@@ -88,6 +93,8 @@ def main(args):
     )
     logger = get_logger(__name__, log_level="INFO")
     set_seed(args.seed)
+    # SIGTERM/SIGINT from here on (start-up included) stop the run after a complete, saved optimizer step.
+    preemption = PreemptionGuard(accelerator, check_every=args.logging_steps)
     if args.allow_tf32:
         torch.backends.cuda.matmul.allow_tf32 = True
 
@@ -195,9 +202,10 @@ def main(args):
     global_step, first_epoch, skip_batches = 0, 0, 0
     resume_path = resolve_resume(args.resume_from_checkpoint, args.output_dir)
     if resume_path:
-        accelerator.load_state(resume_path)
+        load_checkpoint(accelerator, resume_path)
         global_step = checkpoint_step(resume_path)
-        first_epoch, skip_batches = resume_position(global_step, steps_per_epoch, args.gradient_accumulation_steps)
+        first_epoch, skip_batches = resume_position(global_step, steps_per_epoch, args.gradient_accumulation_steps,
+                                                    max_train_steps)
         logger.info(f"resumed from {resume_path} at step {global_step}")
 
     # 7. The loop.
@@ -205,8 +213,8 @@ def main(args):
                     disable=not accelerator.is_local_main_process)
     start_time, start_step = time.time(), global_step
     best_metric, metrics, loss_sum, last_loss = None, {}, torch.zeros((), device=accelerator.device), None
+    update, skipped_steps = True, 0
     group_names = [group["name"] for group in optimizer.param_groups]
-    preemption = PreemptionGuard(accelerator, check_every=args.logging_steps)
     try:
         for epoch in range(first_epoch, num_train_epochs):
             model.train()
@@ -220,18 +228,22 @@ def main(args):
                     logits = forward(batch)
                     loss = F.cross_entropy(logits, batch["labels"])
                     accelerator.backward(loss)
-                    if accelerator.sync_gradients:
-                        accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-                    optimizer.step()
+                    loss_sum += loss.detach() / args.gradient_accumulation_steps
+                    if accelerator.sync_gradients:  # NaN/inf: stop before the update, or skip it (a flag)
+                        update = finite_step(accelerator, loss_sum, global_step + 1, args.skip_nonfinite_steps)
+                        if update:
+                            accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                    if update:
+                        optimizer.step()
                     lr_scheduler.step()
                     optimizer.zero_grad(set_to_none=True)
-                loss_sum += loss.detach() / args.gradient_accumulation_steps
                 if not accelerator.sync_gradients:
                     continue
                 global_step += 1
+                skipped_steps += not update
                 progress.update(1)
                 if global_step % args.logging_steps == 0 or global_step == max_train_steps:
-                    last_loss = accelerator.reduce(loss_sum, "mean").item()  # the only sync, on logging steps
+                    last_loss = accelerator.reduce(loss_sum, "mean").item()  # mean over processes, on logging steps
                     acc = (logits.argmax(-1) == batch["labels"]).float().mean().item()
                     logs = {"train/loss": last_loss, "train/batch_accuracy": acc, "epoch": epoch}
                     logs.update({f"lr/{name}": group["lr"] for name, group in zip(group_names, optimizer.param_groups)})
@@ -257,6 +269,8 @@ def main(args):
             if global_step >= max_train_steps:
                 break
 
+        if not metrics:  # resumed from a checkpoint of the last step: nothing left to train, evaluate as is
+            metrics = evaluate(model, eval_dataloader, forward, accelerator, f1_score)
         # 9. Save: the final model in from_pretrained form, a model card and the run summary.
         accelerator.wait_for_everyone()
         save_model(accelerator, model, processor, tokenizer, args.output_dir)
@@ -265,7 +279,8 @@ def main(args):
                 args.output_dir, global_step=global_step, start_time=start_time, steps_run=global_step - start_step,
                 samples_per_step=total_batch_size, final_loss=last_loss, device=accelerator.device,
                 num_processes=accelerator.num_processes,
-                metrics={**metrics, f"best_eval_{args.metric_for_best_model}": best_metric})
+                metrics={**metrics, f"best_eval_{args.metric_for_best_model}": best_metric,
+                         "skipped_steps": skipped_steps})
             write_model_card(
                 args.output_dir, "Image classifier trained with train_classifier.py",
                 f"Trained on `{args.dataset_name or args.train_data_dir}` for {global_step} optimizer steps.",

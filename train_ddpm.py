@@ -31,7 +31,7 @@ from common.args import (add_checkpoint_args, add_data_args, add_logging_args, a
 from common.cli import UserError, run
 from common.ddpm_sampling import (DEFAULT_GUIDANCE_SCALE, DEFAULT_INFERENCE_STEPS, DEFAULT_SCHEDULER,
                                   SCHEDULER_CLASSES)
-from common.unet_config import channel_list, check_unet_shape, unet_config_source
+from common.unet_config import channel_list, check_unet_shape, pretrained_unet_config, unet_config_source
 
 
 def parse_args(argv=None):
@@ -88,10 +88,13 @@ def parse_args(argv=None):
         parser.error("--snr_gamma must be >= 0 (0: plain MSE)")
     if args.ddpm_beta_end <= args.ddpm_beta_start:
         parser.error("--ddpm_beta_end must be larger than --ddpm_beta_start")
-    if not args.pretrained_model_name_or_path:  # a local config is checked now, before torch loads
+    # A local config or pretrained UNet is checked now, before torch loads (hub ids when they load).
+    if args.pretrained_model_name_or_path:
+        config, source = pretrained_unet_config(args.pretrained_model_name_or_path) or (None, None)
+    else:
         config, source = unet_config_source(args)
-        if config is not None:
-            check_unet_shape(config, args.resolution, source)
+    if config is not None:
+        check_unet_shape(config, args.resolution, source)
     return args
 
 
@@ -101,16 +104,15 @@ def main(args):
     from accelerate import Accelerator
     from accelerate.logging import get_logger
     from accelerate.utils import DataLoaderConfiguration, ProjectConfiguration, set_seed
-    from diffusers import DDPMPipeline, DDPMScheduler, UNet2DModel
-    from diffusers.training_utils import EMAModel, compute_snr
     from tqdm.auto import tqdm
 
-    from common.checkpoints import checkpoint_step, resolve_resume, save_checkpoint
+    from common.checkpoints import checkpoint_step, load_checkpoint, resolve_resume, save_checkpoint
     from common.classifier_metrics import ClassifierScorer
     from common.image_data import ImageDataset, label_names, load_image_dataset, require_columns
     from common.lr_schedulers import build_lr_scheduler
     from common.model_card import write_model_card
     from common.param_groups import build_param_groups
+    from common.nonfinite_loss import finite_step
     from common.preemption import PreemptionGuard
     from common.run_summary import write_all_results
     from common.state_hooks import register_state_hooks
@@ -128,6 +130,8 @@ def main(args):
     )
     logger = get_logger(__name__, log_level="INFO")
     set_seed(args.seed)
+    # SIGTERM/SIGINT from here on (start-up included) stop the run after a complete, saved optimizer step.
+    preemption = PreemptionGuard(accelerator, check_every=args.logging_steps)
     if args.allow_tf32:
         torch.backends.cuda.matmul.allow_tf32 = True
 
@@ -149,6 +153,9 @@ def main(args):
         generator=torch.Generator().manual_seed(args.seed))  # its own RNG: iterating never moves the global one
 
     # 3. Model: a UNet2DModel from a config, from a pretrained UNet/pipeline, or the small default; the noise schedule.
+    from diffusers import DDPMPipeline, DDPMScheduler, UNet2DModel  # here: a data mistake is reported seconds sooner
+    from diffusers.training_utils import EMAModel, compute_snr
+
     unet = build_unet(args, UNet2DModel, null_class + 1 if labels else None)
     noise_scheduler = DDPMScheduler(num_train_timesteps=args.ddpm_num_steps, beta_start=args.ddpm_beta_start,
                                     beta_end=args.ddpm_beta_end, beta_schedule=args.ddpm_beta_schedule,
@@ -213,9 +220,10 @@ def main(args):
     global_step, first_epoch, skip_batches = 0, 0, 0
     resume_path = resolve_resume(args.resume_from_checkpoint, args.output_dir)
     if resume_path:
-        accelerator.load_state(resume_path)
+        load_checkpoint(accelerator, resume_path)
         global_step = checkpoint_step(resume_path)
-        first_epoch, skip_batches = resume_position(global_step, steps_per_epoch, args.gradient_accumulation_steps)
+        first_epoch, skip_batches = resume_position(global_step, steps_per_epoch, args.gradient_accumulation_steps,
+                                                    max_train_steps)
         logger.info(f"resumed from {resume_path} at step {global_step}")
 
     def validate():
@@ -227,7 +235,7 @@ def main(args):
                     disable=not accelerator.is_local_main_process)
     start_time, start_step = time.time(), global_step
     metrics, loss_sum, last_loss = {}, torch.zeros((), device=accelerator.device), None
-    preemption = PreemptionGuard(accelerator, check_every=args.logging_steps)
+    update, skipped_steps = True, 0
     try:
         for epoch in range(first_epoch, num_train_epochs):
             unet.train()
@@ -258,20 +266,24 @@ def main(args):
                                                       args.prediction_type)
                     loss = loss.mean()
                     accelerator.backward(loss)
-                    if accelerator.sync_gradients:
-                        accelerator.clip_grad_norm_(unet.parameters(), args.max_grad_norm)
-                    optimizer.step()
+                    loss_sum += loss.detach() / args.gradient_accumulation_steps
+                    if accelerator.sync_gradients:  # NaN/inf: stop before the update, or skip it (a flag)
+                        update = finite_step(accelerator, loss_sum, global_step + 1, args.skip_nonfinite_steps)
+                        if update:
+                            accelerator.clip_grad_norm_(unet.parameters(), args.max_grad_norm)
+                    if update:
+                        optimizer.step()
                     lr_scheduler.step()
                     optimizer.zero_grad(set_to_none=True)
-                loss_sum += loss.detach() / args.gradient_accumulation_steps
                 if not accelerator.sync_gradients:
                     continue
-                if ema is not None:  # real optimizer steps only
+                if ema is not None and update:  # real optimizer steps only
                     ema.step(unet.parameters())
                 global_step += 1
+                skipped_steps += not update
                 progress.update(1)
                 if global_step % args.logging_steps == 0 or global_step == max_train_steps:
-                    last_loss = accelerator.reduce(loss_sum, "mean").item()  # the only sync, on logging steps
+                    last_loss = accelerator.reduce(loss_sum, "mean").item()  # mean over processes, on logging steps
                     logs = {"train/loss": last_loss, "lr": lr_scheduler.get_last_lr()[0], "epoch": epoch}
                     if ema is not None:
                         logs["ema_decay"] = ema.cur_decay_value
@@ -304,7 +316,7 @@ def main(args):
             results = write_all_results(
                 args.output_dir, global_step=global_step, start_time=start_time, steps_run=global_step - start_step,
                 samples_per_step=total_batch_size, final_loss=last_loss, device=accelerator.device,
-                num_processes=accelerator.num_processes, metrics=metrics)
+                num_processes=accelerator.num_processes, metrics={**metrics, "skipped_steps": skipped_steps})
             write_model_card(
                 args.output_dir, "DDPM trained with train_ddpm.py",
                 f"Trained from scratch on `{args.dataset_name or args.train_data_dir}` for {global_step} optimizer "

@@ -29,7 +29,7 @@ from common.args import (add_checkpoint_args, add_data_args, add_logging_args, a
                          make_parser, positive_float, positive_int, probability)
 from common.checkpoints import read_checkpoint_info, resolve_resume
 from common.cli import UserError, run
-from common.sd_pipeline import check_sd_pipeline
+from common.sd_pipeline import check_local_resolution, check_sd_pipeline
 
 TINY_SD = "models/tiny-sd"
 UNET_TARGETS = "to_k,to_q,to_v,to_out.0"
@@ -88,6 +88,7 @@ def parse_args(argv=None):
         parser.error(f"the default base {TINY_SD} is not built yet: run `make tiny-sd` (or give "
                      "--pretrained_model_name_or_path, e.g. stable-diffusion-v1-5/stable-diffusion-v1-5)")
     check_sd_pipeline(args.pretrained_model_name_or_path, "--pretrained_model_name_or_path")
+    check_local_resolution(args.pretrained_model_name_or_path, args.resolution)
     args.lora_alpha = args.lora_alpha or args.rank
     args.center_crop = args.center_crop or args.cache_latents  # one cached crop per image: the center one
     if args.export_kohya and args.use_dora:
@@ -123,15 +124,17 @@ def main(args):
     from accelerate.utils import DataLoaderConfiguration, ProjectConfiguration, set_seed
     from tqdm.auto import tqdm
 
-    from common.checkpoints import checkpoint_step, save_checkpoint
+    from common.checkpoints import checkpoint_step, load_checkpoint, save_checkpoint
     from common.image_data import ImageDataset, load_image_dataset, require_columns
     from common.latent_cache import CachedLatents
     from common.lora_weights import load_lora_state, save_lora_state, save_lora_weights
     from common.lr_schedulers import build_lr_scheduler
     from common.model_card import write_model_card
+    from common.nonfinite_loss import finite_step
     from common.param_groups import build_param_groups
+    from common.preemption import PreemptionGuard
     from common.run_summary import write_all_results
-    from common.sd_pipeline import load_error
+    from common.sd_pipeline import check_resolution, load_error
     from common.state_hooks import register_state_hooks
     from common.trackers import init_trackers, log_with
     from common.training_steps import plan_steps, resume_position
@@ -147,6 +150,8 @@ def main(args):
     )
     logger = get_logger(__name__, log_level="INFO")
     set_seed(args.seed)
+    # SIGTERM/SIGINT from here on (start-up included) stop the run after a complete, saved optimizer step.
+    preemption = PreemptionGuard(accelerator, check_every=args.logging_steps)
     if args.allow_tf32:
         torch.backends.cuda.matmul.allow_tf32 = True
     # Read the accelerator's precision, not the flag: an accelerate yaml may ask for fp16 too.
@@ -193,6 +198,7 @@ def main(args):
                                                     dtype=weight_dtype, **load)
     except (OSError, ValueError) as err:
         raise load_error("--pretrained_model_name_or_path", path, err) from None
+    check_resolution(args.resolution, vae.config, f"'{path}'")  # a hub base: not checked while parsing
     if args.prediction_type:
         noise_scheduler.register_to_config(prediction_type=args.prediction_type)
     for model in (unet, vae, text_encoder):
@@ -281,9 +287,10 @@ def main(args):
     global_step, first_epoch, skip_batches = 0, 0, 0
     resume_path = resolve_resume(args.resume_from_checkpoint, args.output_dir)
     if resume_path:
-        accelerator.load_state(resume_path)
+        load_checkpoint(accelerator, resume_path)
         global_step = checkpoint_step(resume_path)
-        first_epoch, skip_batches = resume_position(global_step, steps_per_epoch, args.gradient_accumulation_steps)
+        first_epoch, skip_batches = resume_position(global_step, steps_per_epoch, args.gradient_accumulation_steps,
+                                                    max_train_steps)
         logger.info(f"resumed from {resume_path} at step {global_step}")
 
     # 7. The loop: latents + noise at a random timestep -> the UNet (with LoRA) predicts the noise (or v, or x0).
@@ -291,6 +298,7 @@ def main(args):
                     disable=not accelerator.is_local_main_process)
     start_time, start_step = time.time(), global_step
     loss_sum, last_loss, images = torch.zeros((), device=accelerator.device), None, []
+    update, skipped_steps = True, 0
     group_names = [group["name"] for group in optimizer.param_groups]
     prediction_type = noise_scheduler.config.prediction_type
     validation = dict(args=args, accelerator=accelerator, vae=vae, tokenizer=tokenizer, scheduler=noise_scheduler,
@@ -334,25 +342,33 @@ def main(args):
                                        else weight / (snr + 1) if prediction_type == "v_prediction" else weight)
                     loss = loss.mean()
                     accelerator.backward(loss)
-                    if accelerator.sync_gradients:
-                        accelerator.clip_grad_norm_(list(trainable.values()), args.max_grad_norm)
-                    optimizer.step()
+                    loss_sum += loss.detach() / args.gradient_accumulation_steps
+                    if accelerator.sync_gradients:  # NaN/inf: stop before the update, or skip it (a flag)
+                        update = finite_step(accelerator, loss_sum, global_step + 1, args.skip_nonfinite_steps)
+                        if update:
+                            accelerator.clip_grad_norm_(list(trainable.values()), args.max_grad_norm)
+                    if update:
+                        optimizer.step()
                     lr_scheduler.step()
                     optimizer.zero_grad(set_to_none=True)
-                loss_sum += loss.detach() / args.gradient_accumulation_steps
                 if not accelerator.sync_gradients:
                     continue
                 global_step += 1
+                skipped_steps += not update
                 progress.update(1)
                 if global_step % args.logging_steps == 0 or global_step == max_train_steps:
-                    last_loss = accelerator.reduce(loss_sum, "mean").item()  # the only sync, on logging steps
+                    last_loss = accelerator.reduce(loss_sum, "mean").item()  # mean over processes, on logging steps
                     logs = {"train/loss": last_loss, "epoch": epoch}
                     logs.update({f"lr/{name}": group["lr"] for name, group in zip(group_names, optimizer.param_groups)})
                     accelerator.log(logs, step=global_step)
                     progress.set_postfix(loss=f"{last_loss:.4f}")
                 loss_sum.zero_()
-                if global_step % args.checkpointing_steps == 0:
-                    save_checkpoint(accelerator, args.output_dir, global_step, args.checkpoints_total_limit, info=info)
+                stop = preemption.should_stop(global_step)  # SIGTERM/SIGINT: all processes agree
+                if global_step % args.checkpointing_steps == 0 or stop:
+                    checkpoint = save_checkpoint(accelerator, args.output_dir, global_step,
+                                                 args.checkpoints_total_limit, info=info)
+                    if stop:  # the step is complete and saved: stop here
+                        preemption.exit(checkpoint)
                 # 8. Validate: images from the current LoRA, on the main process (the others wait).
                 if args.validation_prompt and global_step % args.validation_steps == 0 and global_step < max_train_steps:
                     validate(**validation, step=global_step)
@@ -371,7 +387,8 @@ def main(args):
                 args.output_dir, global_step=global_step, start_time=start_time, steps_run=global_step - start_step,
                 samples_per_step=total_batch_size, final_loss=last_loss, device=accelerator.device,
                 num_processes=accelerator.num_processes,
-                metrics={"trainable_parameters": num_trainable, "mixed_precision": accelerator.mixed_precision})
+                metrics={"trainable_parameters": num_trainable, "mixed_precision": accelerator.mixed_precision,
+                         "skipped_steps": skipped_steps})
             base = args.pretrained_model_name_or_path
             write_model_card(
                 args.output_dir, f"LoRA for {base}",

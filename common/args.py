@@ -1,5 +1,6 @@
 """Argument groups with the diffusers examples' flag names, and their validation (one-line errors)."""
 import argparse
+import os
 
 from .cli import RecipeArgumentParser, UserError
 
@@ -94,6 +95,9 @@ def add_training_args(parser, *, output_dir, learning_rate, train_batch_size, nu
     g.add_argument("--mixed_precision", default=None, choices=MIXED_PRECISION,
                    help="Overrides the accelerate config's mixed precision.")
     g.add_argument("--allow_tf32", action="store_true", help="TF32 matmuls on Ampere+ GPUs.")
+    g.add_argument("--skip_nonfinite_steps", action="store_true",
+                   help="Skip an optimizer step whose loss is NaN/inf (logged) instead of stopping the run there "
+                        "(its forward pass still ran: BatchNorm running statistics saw the batch).")
     return g
 
 
@@ -126,8 +130,59 @@ def check_common_args(args):
         root = args.train_data_dir
         if not os.path.isdir(root):
             raise UserError(f"--train_data_dir '{root}' does not exist (run `make data` for the built-in digits)")
-        if not any(files for _, _, files in os.walk(root)):
-            raise UserError(f"--train_data_dir '{root}' holds no files")
+        if not any(has_image_file(files) for _, _, files in os.walk(root)):
+            raise UserError(f"--train_data_dir '{root}' holds no image files; put images in it (an imagefolder: "
+                            "images with a metadata.jsonl, or one subfolder per class)")
     if os.path.exists(args.output_dir) and not os.path.isdir(args.output_dir):
         raise UserError(f"--output_dir '{args.output_dir}' is a file; give a folder")
+    check_writable(args.output_dir, "--output_dir")
+    # The tracker folder is <output_dir>/<logging_dir>/<tracker_project_name>: it must stay inside the output folder.
+    logs = os.path.join(args.output_dir, args.logging_dir, args.tracker_project_name)
+    if os.path.relpath(os.path.normpath(logs), os.path.normpath(args.output_dir)).split(os.sep)[0] == os.pardir:
+        raise UserError(f"--logging_dir '{args.logging_dir}' / --tracker_project_name '{args.tracker_project_name}' "
+                        f"lead outside --output_dir; give names inside it")
     resolve_resume(args.resume_from_checkpoint, args.output_dir)
+
+
+# What datasets' imagefolder reads (its IMAGE_EXTENSIONS), here without importing datasets or PIL's plugins.
+IMAGE_EXTENSIONS = frozenset(
+    ".blp .bmp .dib .bufr .cur .pcx .dcx .dds .ps .eps .fit .fits .fli .flc .ftc .ftu .gbr .gif .grib .png .apng .jp2 "
+    ".j2k .jpc .jpf .jpx .j2c .icns .ico .im .iim .tif .tiff .jfif .jpe .jpg .jpeg .mpg .mpeg .msp .pcd .pxr .pbm .pgm "
+    ".ppm .pnm .psd .bw .rgb .rgba .sgi .ras .tga .icb .vda .vst .webp .wmf .emf .xbm .xpm".split())
+
+
+def has_image_file(names):
+    return any(os.path.splitext(name)[1].lower() in IMAGE_EXTENSIONS for name in names)
+
+
+def check_writable(path, flag, value=None):
+    """The folder `path` can be written (or created): its nearest existing ancestor is a folder this user may write.
+
+    Checked before anything heavy loads, so that a read-only location is reported before the run, not at its end.
+    `value`: the flag's value for the message, when `path` is derived from it (a file's folder).
+    """
+    value = path if value is None else value
+    existing = os.path.abspath(path)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise UserError(f"{flag} '{value}': '{existing}' is a file, not a folder; choose another {flag}")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise UserError(f"{flag} '{value}': cannot write in '{existing}' (no write permission, or a read-only file "
+                        f"system); choose another {flag} or make that folder writable")
+
+
+def check_model_folder(path, flag, required, what):
+    """A local model path holds `required` (a file name relative to it); a path that cannot be a hub id must exist.
+
+    Hub ids (owner/name) pass: they are checked when they load. -> True for a local folder.
+    """
+    if os.path.isdir(path):
+        if not os.path.isfile(os.path.join(path, required)):
+            raise UserError(f"{flag} '{path}' is not {what} (no {required} in it)")
+        return True
+    if os.path.exists(path):
+        raise UserError(f"{flag} '{path}' is a file; give {what} folder or a hub id")
+    if path.startswith((".", "/", "~")) or path.count("/") > 1:
+        raise UserError(f"{flag} '{path}' does not exist (and is not a hub id owner/name)")
+    return False

@@ -1,7 +1,9 @@
 """User mistakes end in one clear line and a non-zero exit, never a traceback."""
 import argparse
+import errno
 import logging
 import os
+import re
 import sys
 
 
@@ -21,12 +23,56 @@ def _is_rank_zero():
 
 
 def run(main, parse_args, argv=None):
-    """Parse the flags and run `main(args)`; turn a UserError into `error: <message>` and exit 2."""
+    """Parse the flags and run `main(args)`; turn a UserError, or a write that failed for want of space or
+    permission, into `error: <message>` and exit 2."""
     # A handler for the scripts' own INFO loggers; libraries keep their WARNING levels.
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     try:
         main(parse_args(argv))
     except UserError as err:
-        if _is_rank_zero():  # one line, not one per process
-            print(f"error: {err}", file=sys.stderr, flush=True)
-        sys.exit(2)
+        _exit_with(_one_line(str(err)))
+    except Exception as err:  # a full disk or a read-only folder is the user's to fix, not a bug: one line too
+        reason = write_error_reason(err)
+        if reason is None:
+            raise
+        where = f" at '{err.filename}'" if getattr(err, "filename", None) else ""
+        _exit_with(f"{reason}{where} ({_one_line(str(err))[:200]}); free some space or fix the folder's "
+                   "permissions, or choose another output folder")
+
+
+def _exit_with(message):
+    if _is_rank_zero():  # one line, not one per process
+        print(f"error: {message}", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
+def _one_line(message):
+    """A UserError raised in a DataLoader worker reaches the main process wrapped in the worker's traceback
+    ("Caught UserError in DataLoader worker process 0. Original Traceback ..."): keep only its own message."""
+    if "Original Traceback" in message:
+        last = message.strip().splitlines()[-1]
+        message = re.sub(r"^[\w.]*UserError: ", "", last)
+    return " ".join(message.split())
+
+
+_WRITE_ERRNOS = {errno.ENOSPC: "no space left on device", errno.EDQUOT: "disk quota exceeded",
+                 errno.EROFS: "read-only file system", errno.EACCES: "permission denied",
+                 errno.EFBIG: "file too large"}
+# The same conditions as other libraries word them: safetensors (Rust io::Error) and torch.save (its zip writer
+# reports a short write as "unexpected pos" or "file write failed", without the errno).
+_WRITE_MESSAGES = (("No space left on device", "no space left on device"), ("os error 28", "no space left on device"),
+                   ("Disk quota exceeded", "disk quota exceeded"), ("Read-only file system", "read-only file system"),
+                   ("File too large", "file too large"), ("file write failed", "a write failed (disk full?)"),
+                   ("unexpected pos", "a write failed (disk full?)"))
+
+
+def write_error_reason(err):
+    """-> a short reason when `err` is a failed write for want of space or permission, else None."""
+    if isinstance(err, OSError) and err.errno in _WRITE_ERRNOS:
+        return _WRITE_ERRNOS[err.errno]
+    if isinstance(err, (OSError, RuntimeError)) or type(err).__name__ == "SafetensorError":
+        text = str(err)
+        for needle, reason in _WRITE_MESSAGES:
+            if needle in text:
+                return reason
+    return None

@@ -2,6 +2,9 @@
 
 Images are decoded and resized once (kept as uint8 tensors when the set fits in `cache_limit_gb`), so the hot path
 only crops, flips and normalizes tensors; larger sets are decoded per item, in dataloader workers if asked.
+Any PIL mode is accepted (converted to RGB). A file that cannot be decoded stops the run with one line naming it,
+never skipped silently (a skipped image would change the data and its labels without a word): with the decode-once
+cache, before training starts.
 """
 import io
 import logging
@@ -78,17 +81,27 @@ def to_rgb(image):
 
 
 def _open(value):
-    """A datasets Image value (undecoded dict or PIL) -> (PIL image, name for messages)."""
+    """A datasets Image value (undecoded dict or PIL) -> PIL image."""
     if isinstance(value, Image.Image):
-        return value, "image"
+        return value
     path, data = value.get("path"), value.get("bytes")
-    name = path or "image bytes"
+    image = Image.open(io.BytesIO(data) if data is not None else path)
+    image.load()
+    return image
+
+
+def decode_image(value, resolution, index=None):
+    """A datasets Image value -> uint8 tensor [3, H, W] with min(H, W) == resolution. A file that PIL cannot decode
+    (corrupt, truncated, not an image, an unconvertible mode) is a one-line error naming it and what to do."""
     try:
-        image = Image.open(io.BytesIO(data) if data is not None else path)
-        image.load()
-    except (UnidentifiedImageError, OSError) as err:
-        raise UserError(f"cannot read image '{name}': {err}") from None
-    return image, name
+        image = _open(value)
+        return resize_shorter_side(image, resolution)
+    except (UnidentifiedImageError, OSError, SyntaxError, ValueError, EOFError, Image.DecompressionBombError) as err:
+        name = value.get("path") if isinstance(value, dict) else None
+        where = f"'{name}'" if name else f"at row {index} of the dataset" if index is not None else "(in memory)"
+        reason = " ".join(str(err).split())[:200] or type(err).__name__
+        raise UserError(f"cannot read image {where}: {reason}; delete or replace that file (images are never "
+                        "skipped)") from None
 
 
 def resize_shorter_side(image, resolution):
@@ -126,8 +139,7 @@ class ImageDataset(torch.utils.data.Dataset):
             self.cache = [self._decode(i) for i in range(len(self.images))]
 
     def _decode(self, index):
-        image, _ = _open(self.images[index])
-        return resize_shorter_side(image, self.resolution)
+        return decode_image(self.images[index], self.resolution, index)
 
     def set_epoch(self, epoch):
         self.epoch = epoch

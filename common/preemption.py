@@ -3,7 +3,8 @@
 A cluster preempts a job with SIGTERM (then SIGKILL after a grace period); Ctrl-C sends SIGINT. The handler only
 records the signal; the loop asks `should_stop()` at each optimizer-step boundary, so the checkpoint holds a
 consistent state. With several processes the signal may reach only some of them, so they agree through one
-all-reduce, done every `check_every` steps to keep per-step host syncs away from the hot path.
+all-reduce, done every `check_every` steps to keep per-step host syncs away from the hot path. A second signal
+stops at once, without a checkpoint (for a Ctrl-C during a long start-up).
 """
 import signal
 import sys
@@ -13,21 +14,27 @@ class PreemptionGuard:
     def __init__(self, accelerator, check_every=1):
         self.accelerator = accelerator
         self.check_every = check_every if accelerator.num_processes > 1 else 1
-        self.signum = 0
+        self.received = 0  # the signal this process got
+        self.signum = 0  # the signal the processes agreed on
         self._previous = {sig: signal.signal(sig, self._record) for sig in (signal.SIGTERM, signal.SIGINT)}
 
     def _record(self, signum, frame):
-        self.signum = self.signum or signum
+        if self.received:  # a second Ctrl-C / SIGTERM: stop now, without a checkpoint (the last one stays good)
+            print(f"{signal.Signals(signum).name} again: stopping now, without a checkpoint", file=sys.stderr,
+                  flush=True)
+            raise SystemExit(128 + signum)
+        self.received = signum
 
     def should_stop(self, global_step):
         """True on every process once any process got a signal (checked every `check_every` steps)."""
         if self.accelerator.num_processes == 1:
+            self.signum = self.received
             return bool(self.signum)
         if global_step % self.check_every:
             return False
         import torch
 
-        flag = torch.tensor(self.signum, device=self.accelerator.device)
+        flag = torch.tensor(self.received, device=self.accelerator.device)
         self.signum = int(self.accelerator.reduce(flag, "max"))
         return bool(self.signum)
 

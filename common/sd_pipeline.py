@@ -22,6 +22,41 @@ def check_sd_pipeline(path, flag):
         raise UserError(f"{flag} '{path}' is neither a pipeline folder nor a hub id; {TINY_HINT}")
 
 
+def check_resolution(resolution, vae_config, source):
+    """Square training images must map onto whole latents: the side divisible by the VAE's downsampling factor
+    (8 for Stable Diffusion; the pipeline refuses other sizes when sampling)."""
+    factor = 2 ** (len(vae_config.get("block_out_channels", (0,) * 4)) - 1)
+    if resolution % factor:
+        near = sorted({max(factor, resolution // factor * factor), (resolution // factor + 1) * factor})
+        raise UserError(f"--resolution {resolution} is not divisible by {factor}, the VAE's downsampling factor of "
+                        f"{source}; use {' or '.join(map(str, near))}")
+
+
+def check_local_resolution(path, resolution):
+    """check_resolution before anything loads, for a local pipeline folder (hub ids are checked once loaded)."""
+    config_file = os.path.join(path, "vae", "config.json")
+    if os.path.isfile(config_file):
+        with open(config_file) as f:
+            check_resolution(resolution, json.load(f), f"'{path}'")
+
+
+def check_safetensors(path, flag):
+    """A .safetensors file whose header reads (an 8-byte length, then a JSON table of tensors), checked without
+    torch so that a wrong or damaged file is reported at once. -> the tensor names it holds."""
+    try:
+        with open(path, "rb") as f:
+            size = int.from_bytes(f.read(8), "little")
+            if not 2 <= size <= 100 * 2**20:
+                raise ValueError("no safetensors header")
+            header = json.loads(f.read(size))
+        if not isinstance(header, dict):
+            raise ValueError("no safetensors header")
+    except (OSError, ValueError) as err:
+        raise UserError(f"{flag} '{path}' is not a readable .safetensors file ({err}); give a LoRA saved as "
+                        "safetensors (diffusers, peft or kohya format)") from None
+    return [name for name in header if name != "__metadata__"]
+
+
 def load_error(flag, path, err):
     """UserError for a pipeline (part) that failed to load: the first line of the cause, and what to try."""
     first = (str(err).strip().splitlines() or [type(err).__name__])[0]

@@ -44,13 +44,19 @@ def register_state_hooks(accelerator, named_models, save_fn=_save, load_fn=_load
         raise ValueError(f"save/load hook: {type(model).__name__} is not one of {list(named_models)}")
 
     def save_hook(models, weights, output_dir):
-        for model in models:
-            if accelerator.is_main_process:
-                save_fn(accelerator.unwrap_model(model), os.path.join(output_dir, folder_of(model)))
-            if weights:
-                weights.pop()  # written above; accelerate must not write it again
-        if extra_save is not None and accelerator.is_main_process:
-            extra_save(output_dir)
+        import torch
+
+        # RNG-neutral: some savers build a model to write (diffusers' EMAModel.save_pretrained inits a UNet from its
+        # config), which draws from the global generator; a run that saves at step N must draw the same numbers
+        # afterwards as one that does not, or a stop-and-resume at N would not match the uninterrupted run.
+        with torch.random.fork_rng(devices=[]):
+            for model in models:
+                if accelerator.is_main_process:
+                    save_fn(accelerator.unwrap_model(model), os.path.join(output_dir, folder_of(model)))
+                if weights:
+                    weights.pop()  # written above; accelerate must not write it again
+            if extra_save is not None and accelerator.is_main_process:
+                extra_save(output_dir)
 
     def load_hook(models, input_dir):
         while models:

@@ -13,7 +13,12 @@ def plan_steps(batches_per_epoch, gradient_accumulation_steps, num_train_epochs,
     return per_epoch, total, math.ceil(total / per_epoch)
 
 
-def resume_position(global_step, steps_per_epoch, gradient_accumulation_steps):
-    """(epoch, batches of that epoch already seen) after `global_step` optimizer steps."""
+def resume_position(global_step, steps_per_epoch, gradient_accumulation_steps, max_train_steps):
+    """(epoch, batches of that epoch already seen) after `global_step` optimizer steps.
+
+    A checkpoint at (or past) the last step -> the epoch after the last one: the loop runs no further step.
+    """
+    if global_step >= max_train_steps:
+        return math.ceil(max_train_steps / steps_per_epoch), 0
     epoch = global_step // steps_per_epoch
     return epoch, (global_step % steps_per_epoch) * gradient_accumulation_steps

@@ -40,6 +40,29 @@ def unet_config_source(args):
     return config, source
 
 
+def pretrained_unet_config(path):
+    """(config dict, name for messages) of a local --pretrained_model_name_or_path (a UNet2DModel folder, or a
+    pipeline / train_ddpm.py checkpoint with unet/), None for a hub id; a local folder of another kind is an error."""
+    flag = "--pretrained_model_name_or_path"
+    if not os.path.isdir(path):
+        if os.path.exists(path) or path.startswith((".", "/", "~")) or path.count("/") > 1:
+            raise UserError(f"{flag} '{path}' is neither a folder nor a hub id (owner/name)")
+        return None
+    folder = os.path.join(path, "unet") if os.path.isdir(os.path.join(path, "unet")) else path
+    config = None
+    try:
+        with open(os.path.join(folder, "config.json")) as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        pass
+    if not isinstance(config, dict) or config.get("_class_name") != "UNet2DModel":
+        found = (f"it holds a {config.get('_class_name') or config.get('model_type') or 'model of another kind'}"
+                 if isinstance(config, dict) else "no readable unet/config.json or config.json")
+        raise UserError(f"{flag} '{path}' is not a UNet2DModel ({found}); give a train_ddpm.py output or "
+                        "checkpoint-N, a DDPM pipeline, or a UNet2DModel folder")
+    return config, f"the pretrained UNet '{path}'"
+
+
 def check_unet_shape(config, resolution, source):
     """The UNet fits the data: 3 channels in and out, and a resolution its down blocks can halve evenly."""
     blocks = len(config.get("down_block_types", [None] * 4))  # UNet2DModel's default has 4

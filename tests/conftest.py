@@ -1,8 +1,10 @@
 """Shared test helpers: launch a real script through `accelerate launch` in a subprocess, offline."""
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -20,12 +22,16 @@ def offline_env(**extra):
     return env
 
 
-def launch(script, *args, config="cpu.yaml", cwd=ROOT, env=None, timeout=900, check=True):
-    """`accelerate launch --config_file accelerate_configs/<config> <script> <args>`; returns CompletedProcess."""
+def launch_command(script, *args, config="cpu.yaml", cwd=ROOT):
     script = Path(script)
     script = script if script.is_absolute() else Path(cwd) / script
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS / config),
-           "--num_cpu_threads_per_process", "1", str(script), *map(str, args)]
+    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS / config),
+            "--num_cpu_threads_per_process", "1", str(script), *map(str, args)]
+
+
+def launch(script, *args, config="cpu.yaml", cwd=ROOT, env=None, timeout=900, check=True):
+    """`accelerate launch --config_file accelerate_configs/<config> <script> <args>`; returns CompletedProcess."""
+    cmd = launch_command(script, *args, config=config, cwd=cwd)
     proc = subprocess.run(cmd, cwd=cwd, env=env or offline_env(), capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
@@ -47,6 +53,36 @@ def assert_one_line_error(proc, *needles):
     for needle in needles:
         assert needle in lines[0], lines[0]
     return lines[0]
+
+
+def signal_when_ready(cmd, ready, signum=signal.SIGTERM, timeout=600):
+    """Start `cmd`, send it `signum` once the path `ready` exists, and wait: -> (returncode, stderr).
+
+    The scripts install their signal handler before anything writes to --output_dir, so any file there means the
+    handler is in place.
+    """
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=offline_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True)
+    deadline = time.time() + timeout
+    while not Path(ready).exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.02)
+    if proc.poll() is None:
+        proc.send_signal(signum)
+    _, stderr = proc.communicate(timeout=timeout)
+    return proc.returncode, stderr
+
+
+def logged_losses(output_dir, tag="train/loss"):
+    """{step: value} of a scalar over every TensorBoard event file of a run (a resumed run adds its own file)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    values = {}
+    for events in sorted(Path(output_dir, "logs").rglob("events.out.tfevents.*")):
+        accumulator = EventAccumulator(str(events), size_guidance={"scalars": 0})
+        accumulator.Reload()
+        if tag in accumulator.Tags()["scalars"]:
+            values.update({event.step: event.value for event in accumulator.Scalars(tag)})
+    return values
 
 
 def read_results(output_dir):

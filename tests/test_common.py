@@ -101,7 +101,8 @@ def test_step_accounting():
     assert plan_steps(23, 1, 15) == (23, 345, 15)
     assert plan_steps(23, 4, 2) == (6, 12, 2)  # the short last cycle still steps
     assert plan_steps(23, 4, 2, max_train_steps=7) == (6, 7, 2)
-    assert resume_position(8, 6, 4) == (1, 8)
+    assert resume_position(8, 6, 4, 12) == (1, 8)
+    assert resume_position(7, 6, 4, 7) == (2, 0)  # at the last step: no epoch left to run
 
 
 class _FakeAccelerator:

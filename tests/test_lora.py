@@ -1,6 +1,7 @@
 """train_lora.py end to end on the tiny random-init SD (real `accelerate launch` runs), and sample.py for SD."""
 import json
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -10,7 +11,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import ROOT, assert_one_line_error, launch, offline_env, read_results, run_script
+from conftest import (ROOT, assert_one_line_error, launch, logged_losses, offline_env, read_results, run_script,
+                      signal_when_ready)
 
 TARGETS = ["to_k", "to_q", "to_v", "to_out.0"]
 TINY = ["--max_train_samples", "64", "--train_batch_size", "8", "--max_train_steps", "12", "--checkpointing_steps", "6",
@@ -139,17 +141,30 @@ def test_cached_and_uncached_latents_train_the_same(trained, digits, tiny_sd, tm
     assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-4
 
 
-def test_resume_restores_the_adapter_and_continues_exactly(trained, digits, tiny_sd, tmp_path):
-    resumed = tmp_path / "resumed"
-    resumed.mkdir()
-    shutil.copytree(trained / "checkpoint-6", resumed / "checkpoint-6")
-    launch("train_lora.py", *lora_args(digits, tiny_sd, resumed, "--cache_latents", "--resume_from_checkpoint",
-                                       "latest"))
-    assert read_results(resumed)["global_step"] == 12
-    a, b = load_file(trained / "pytorch_lora_weights.safetensors"), load_file(resumed / "pytorch_lora_weights.safetensors")
-    assert a.keys() == b.keys()
-    differing = [k for k in a if not torch.equal(a[k], b[k])]
-    assert not differing, differing[:5]
+def test_resume_and_ctrl_c_stop_match_the_uninterrupted_run(trained, digits, tiny_sd, tmp_path):
+    # From checkpoint-6 (the adapters must really be restored), Ctrl-C (SIGINT) stops after a complete step with
+    # exit 130; `latest` finishes. Losses, LoRA weights and the final validation image equal the uninterrupted run's.
+    out = tmp_path / "resumed"
+    out.mkdir()
+    shutil.copytree(trained / "checkpoint-6", out / "checkpoint-6")
+    args = lora_args(digits, tiny_sd, out, "--cache_latents", "--export_kohya", "--resume_from_checkpoint", "latest")
+    returncode, stderr = signal_when_ready([sys.executable, ROOT / "train_lora.py", *args], out / "logs",
+                                           signal.SIGINT)
+    assert returncode == 130, stderr[-3000:]
+    assert "SIGINT received: stopped after a complete optimizer step" in stderr and "Traceback" not in stderr
+    assert max(int(p.name.split("-")[1]) for p in out.glob("checkpoint-*")) > 6
+    launch("train_lora.py", *args)
+    assert read_results(out)["global_step"] == 12
+    for name in ("pytorch_lora_weights.safetensors", KOHYA):
+        a, b = load_file(trained / name), load_file(out / name)
+        assert a.keys() == b.keys()
+        differing = [k for k in a if not torch.equal(a[k], b[k])]
+        assert not differing, differing[:5]
+    reference, resumed = logged_losses(trained), logged_losses(out)
+    assert [resumed[s] for s in range(7, 13)] == [reference[s] for s in range(7, 13)]
+    assert read_results(out)["final_loss"] == read_results(trained)["final_loss"]
+    final_image = "samples/step-12/0-0.png"
+    assert (out / final_image).read_bytes() == (trained / final_image).read_bytes()
 
 
 def test_load_hook_sets_the_adapter_and_upcasts(tiny_sd, tmp_path):

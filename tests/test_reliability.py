@@ -1,0 +1,120 @@
+"""What holds for every training script, checked on the cheapest one (train_classifier.py; the machinery is shared):
+kill -9 during a checkpoint save, non-finite losses, checkpoints that carry code, paths that leave the output folder,
+and the source-level security rules. Signals and exact resume per script are in each script's own test file."""
+import os
+import pickle
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from conftest import ROOT, assert_one_line_error, offline_env, read_results, run_script
+
+SMALL = ["--max_train_samples", "160", "--train_batch_size", "16", "--eval_batch_size", "128", "--logging_steps", "1"]
+SCRIPTS = ["train_classifier.py", "train_ddpm.py", "train_lora.py", "sample.py", "inspect_pipeline.py"]
+
+
+def test_kill_9_during_a_checkpoint_save_leaves_only_complete_checkpoints(digits, tmp_path):
+    from common.checkpoints import list_checkpoints, resolve_resume
+
+    out = tmp_path / "killed"
+    args = ["--train_data_dir", digits, "--output_dir", out, *SMALL, "--max_train_steps", "200",
+            "--checkpointing_steps", "1", "--checkpoints_total_limit", "2"]
+    proc = subprocess.Popen([sys.executable, ROOT / "train_classifier.py", *args], cwd=ROOT, env=offline_env(),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    partial = []
+    while not partial and proc.poll() is None and time.time() < deadline:  # a save in flight, after a complete one
+        names = os.listdir(out) if out.is_dir() else []
+        if any(re.fullmatch(r"checkpoint-\d+", n) for n in names):
+            partial = [n for n in names if n.endswith(".tmp")]
+        time.sleep(0.002)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert partial, "no checkpoint save was caught in flight"
+    step = int(partial[0][len("checkpoint-"):-len(".tmp")])
+    complete = [os.path.basename(p) for p in list_checkpoints(out)]
+    # The rotation runs after the rename: the newest complete checkpoint survives a kill at any point.
+    assert f"checkpoint-{step - 1}" in complete and len(complete) <= 2, (partial, complete)
+    latest = resolve_resume("latest", str(out))
+    assert not latest.endswith(".tmp")
+    resumed = run_script("train_classifier.py", *args, "--max_train_steps", str(step + 2),
+                         "--resume_from_checkpoint", "latest")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert read_results(out)["global_step"] == step + 2
+    assert not list(out.glob("*.tmp")), "the leftover of the killed save is cleaned up"
+    assert [p.name for p in out.glob("checkpoint-*")] and len(list(out.glob("checkpoint-*"))) == 2
+
+
+def test_nonfinite_loss_stops_before_the_update_and_keeps_the_last_checkpoint(digits, tmp_path):
+    # lr 1e30: step 1 is finite, its update makes the weights huge, step 2's loss is NaN (deterministic on CPU).
+    out = tmp_path / "nan"
+    args = ["--train_data_dir", digits, "--output_dir", out, *SMALL, "--max_train_steps", "6", "--learning_rate",
+            "1e30", "--lr_scheduler", "constant", "--checkpointing_steps", "1"]
+    line = assert_one_line_error(run_script("train_classifier.py", *args), "not finite", "at optimizer step 2",
+                                 "--skip_nonfinite_steps")
+    assert "--learning_rate" in line
+    assert [p.name for p in out.glob("checkpoint-*")] == ["checkpoint-1"]
+    assert not (out / "model.safetensors").exists() and not (out / "all_results.json").exists()
+    weights = load_file(out / "checkpoint-1/model/model.safetensors")
+    assert all(torch.isfinite(w).all() for w in weights.values())
+
+
+def test_skip_nonfinite_steps_skips_the_updates_and_finishes(digits, tmp_path):
+    out = tmp_path / "skip"
+    proc = run_script("train_classifier.py", "--train_data_dir", digits, "--output_dir", out, *SMALL,
+                      "--max_train_steps", "5", "--learning_rate", "1e30", "--lr_scheduler", "constant",
+                      "--skip_nonfinite_steps")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stderr.count("update skipped (--skip_nonfinite_steps)") == 4
+    assert "optimizer step 2: the loss is not finite" in proc.stderr
+    results = read_results(out)
+    assert results["skipped_steps"] == 4 and results["global_step"] == 5
+    weights = load_file(out / "model.safetensors")
+    trained = {k: w for k, w in weights.items() if "running_" not in k and "num_batches" not in k}
+    assert len(trained) > 10 and all(torch.isfinite(w).all() for w in trained.values())  # no NaN update applied
+
+
+class _RunsCode:
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_a_checkpoint_that_carries_code_is_refused_not_run(digits, tmp_path):
+    out = tmp_path / "run"
+    args = ["--train_data_dir", digits, "--output_dir", out, *SMALL, "--max_train_steps", "2", "--checkpointing_steps",
+            "2", "--report_to", "none"]
+    assert run_script("train_classifier.py", *args).returncode == 0
+    marker = tmp_path / "code-ran"
+    payload = _RunsCode()
+    payload.marker = marker
+    (out / "checkpoint-2" / "optimizer.bin").write_bytes(pickle.dumps(payload))
+    proc = run_script("train_classifier.py", *args, "--max_train_steps", "4", "--resume_from_checkpoint", "latest")
+    assert_one_line_error(proc, "--resume_from_checkpoint: cannot load", "checkpoint-2")
+    assert not marker.exists()
+
+
+def test_tracker_paths_cannot_leave_the_output_folder(digits, tmp_path):
+    for flags in (["--logging_dir", "../elsewhere"], ["--logging_dir", str(tmp_path / "abs")],
+                  ["--tracker_project_name", "../../up"]):
+        proc = run_script("train_classifier.py", "--train_data_dir", digits, "--output_dir", tmp_path / "out", *flags)
+        assert_one_line_error(proc, "lead outside --output_dir")
+    assert not (tmp_path / "out").exists() and not (tmp_path / "abs").exists()
+
+
+def test_source_loads_no_pickle_and_trusts_no_remote_code():
+    # Checkpoints and outputs are read as safetensors; accelerate's own state files go through
+    # torch.load(weights_only=True). Remote code would run on `from_pretrained`: never turned on by us.
+    sources = [ROOT / s for s in SCRIPTS] + sorted((ROOT / "common").glob("*.py"))
+    for path in sources:
+        text = Path(path).read_text()
+        for call in re.findall(r"torch\.load\([^)]*\)", text):
+            assert "weights_only=True" in call, (path.name, call)
+        assert not re.search(r"\bpickle\.loads?\(|trust_remote_code\s*=\s*True|register_for_checkpointing", text), \
+            path.name
+    assert len(sources) > 20
