@@ -34,7 +34,7 @@ env: install
 	@echo "Makefile accelerate config here: $(CONFIG) $(if $(LAUNCH_ENV),(with $(LAUNCH_ENV)),)"
 
 train-classifier: data
-	$(LAUNCH) train_classifier.py --train_data_dir data/digits \
+	$(LAUNCH) $(if $(LAUNCH_ENV),--num_cpu_threads_per_process 1,) train_classifier.py --train_data_dir data/digits \
 	  --output_dir $(or $(OUTPUT),outputs/classifier) $(ARGS)
 
 # Scored by the digits classifier when `make train-classifier` has written one (sample accuracy, Frechet distance).
@@ -76,6 +76,13 @@ inspect: $(TINY_SD)
 
 test: install
 	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(PY) -m pytest -q tests $(ARGS)
+
+# Each recipe against a hand-written reference loop, --help latency, sample.py images/s (tests/benchmarks/):
+# one table, and outputs/bench/results.json. About 10 min on 2 CPU cores; BENCH_ARGS="--repeats 1" for a quick look.
+.PHONY: bench
+BENCH_ARGS ?=
+bench: data $(TINY_SD)
+	$(PY) tests/benchmarks/run_bench.py $(BENCH_ARGS)
 
 clean:
 	rm -rf outputs data models .pytest_cache
