@@ -58,6 +58,17 @@ class ClassifierScorer:
         return torch.cat(features), torch.cat(predictions)
 
 
+def macro_f1(predictions, references):
+    """Macro-averaged F1 of two 1-D class-id tensors: scikit-learn's f1_score(average="macro"), over the classes
+    that occur in either (without importing scikit-learn: a second of start-up)."""
+    predictions, references = predictions.long().cpu(), references.long().cpu()
+    size = int(max(predictions.max(), references.max())) + 1
+    true_positives = torch.bincount(references[predictions == references], minlength=size).double()
+    counts = torch.bincount(predictions, minlength=size).double() + torch.bincount(references, minlength=size)
+    present = counts > 0
+    return float((2 * true_positives[present] / counts[present]).mean())
+
+
 def frechet_distance(a, b):
     """||mu_a - mu_b||^2 + Tr(S_a + S_b - 2 (S_a S_b)^(1/2)) of two feature sets [N, D], in float64."""
     a, b = a.double(), b.double()

@@ -115,6 +115,14 @@ def resize_shorter_side(image, resolution):
     return torch.from_numpy(np.asarray(image).copy()).permute(2, 0, 1)
 
 
+def splitmix64(x):
+    """A 64-bit integer -> 64 well-mixed bits (the SplitMix64 generator's output function)."""
+    x = (x + 0x9E3779B97F4A7C15) & 0xFFFF_FFFF_FFFF_FFFF
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFF_FFFF_FFFF_FFFF
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & 0xFFFF_FFFF_FFFF_FFFF
+    return x ^ (x >> 31)
+
+
 class ImageDataset(torch.utils.data.Dataset):
     """Items: {"pixel_values": float [3, R, R] normalized, plus `name: values[index]` for each of `columns`}.
 
@@ -136,7 +144,8 @@ class ImageDataset(torch.utils.data.Dataset):
         self.seed, self.epoch = seed, 0
         self.cache = None
         if len(self.images) * 3 * resolution * resolution <= cache_limit_gb * 2**30:
-            self.cache = [self._decode(i) for i in range(len(self.images))]
+            values = self.images[:]  # the whole column in one read (row by row costs 0.3 ms an image)
+            self.cache = [decode_image(value, resolution, i) for i, value in enumerate(values)]
 
     def _decode(self, index):
         return decode_image(self.images[index], self.resolution, index)
@@ -145,28 +154,39 @@ class ImageDataset(torch.utils.data.Dataset):
         self.epoch = epoch
 
     def augmentation(self, index, h, w):
-        """(top, left, flip) of item `index` (an h x w image) in the current epoch."""
+        """(top, left, flip) of item `index` (an h x w image) in the current epoch: 64 random bits hashed from
+        (seed, epoch, index). (A torch.Generator per item cost 20 us, 4 % of a step of the classifier demo.)"""
         r = self.resolution
-        rng = torch.Generator().manual_seed(hash((self.seed, self.epoch, index)) & 0xFFFF_FFFF_FFFF)
+        bits = splitmix64(splitmix64(splitmix64(self.seed) ^ self.epoch) ^ index)
         if self.center_crop:
             top, left = (h - r) // 2, (w - r) // 2
         else:
-            top = int(torch.randint(0, h - r + 1, (), generator=rng))
-            left = int(torch.randint(0, w - r + 1, (), generator=rng))
-        return top, left, bool(self.random_flip and torch.rand((), generator=rng) < 0.5)
+            top, left = bits % (h - r + 1), (bits >> 24) % (w - r + 1)
+        return top, left, bool(self.random_flip and bits >> 63)
 
     def __len__(self):
         return len(self.images)
 
-    def __getitem__(self, index):
+    def crop(self, index):
+        """Item `index` as uint8 [3, R, R], cropped and flipped for the current epoch."""
         pixels = self.cache[index] if self.cache is not None else self._decode(index)
         r = self.resolution
         _, h, w = pixels.shape
         top, left, flip = self.augmentation(index, h, w)
         pixels = pixels[:, top:top + r, left:left + r]
-        if flip:
-            pixels = pixels.flip(-1)
-        item = {"pixel_values": (pixels.float() - self.mean) / self.std}
+        return pixels.flip(-1) if flip else pixels
+
+    def item(self, index, pixel_values):
+        item = {"pixel_values": pixel_values}
         for name, values in self.columns.items():
             item[name] = values[index]
         return item
+
+    def __getitem__(self, index):
+        return self.item(index, (self.crop(index).float() - self.mean) / self.std)
+
+    def __getitems__(self, indices):
+        """A batch for the DataLoader: the same items as __getitem__ (bit for bit), normalized in one operation
+        instead of one per image (1.6 ms of a 64-image batch of the classifier demo)."""
+        pixels = (torch.stack([self.crop(i) for i in indices]).float() - self.mean) / self.std
+        return [self.item(i, p) for i, p in zip(indices, pixels)]

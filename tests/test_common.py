@@ -4,6 +4,7 @@ import json
 import os
 from argparse import Namespace
 
+import numpy as np
 import pytest
 import torch
 from PIL import Image
@@ -62,7 +63,8 @@ def test_dataset_transforms_are_reproducible_per_epoch(tmp_path):
     paths = []
     for i, mode in enumerate(("L", "RGBA", "P", "RGB")):
         path = tmp_path / f"{i}.png"
-        Image.new(mode, (40, 30)).save(path)
+        noise = np.random.default_rng(i).integers(0, 256, (30, 40, 3), dtype=np.uint8)
+        Image.fromarray(noise).convert(mode).save(path)
         paths.append(str(path))
     ds = datasets.Dataset.from_dict({"image": paths}).cast_column("image", datasets.Image())
     data = ImageDataset(ds, "image", 16, center_crop=False, random_flip=True, columns={"i": list(range(4))})
@@ -72,6 +74,25 @@ def test_dataset_transforms_are_reproducible_per_epoch(tmp_path):
     torch.manual_seed(123)  # the global RNG plays no part
     assert all(torch.equal(a, data[i]["pixel_values"]) for i, a in enumerate(first))
     assert data[2]["i"] == 2
+    batch = data.__getitems__([3, 1, 2])  # what the DataLoader calls: the same items, bit for bit
+    assert [item["i"] for item in batch] == [3, 1, 2]
+    assert all(torch.equal(item["pixel_values"], first[i]) for i, item in zip([3, 1, 2], batch))
+    data.set_epoch(1)
+    assert any(not torch.equal(a, data[i]["pixel_values"]) for i, a in enumerate(first))  # a new epoch: new crops
+
+
+def test_macro_f1_matches_sklearn():
+    from sklearn.metrics import f1_score
+
+    from common.classifier_metrics import macro_f1
+
+    g = torch.Generator().manual_seed(0)
+    for n, classes in ((50, 3), (200, 10), (7, 10)):  # (7, 10): classes that appear in neither are left out
+        refs, preds = torch.randint(0, classes, (n,), generator=g), torch.randint(0, classes, (n,), generator=g)
+        preds[: n // 2] = refs[: n // 2]
+        assert abs(macro_f1(preds, refs) - f1_score(refs.numpy(), preds.numpy(), average="macro")) < 1e-12
+    assert macro_f1(torch.tensor([1, 1]), torch.tensor([1, 1])) == 1.0
+    assert macro_f1(torch.tensor([0, 0]), torch.tensor([1, 1])) == 0.0
 
 
 def test_param_groups_prefixes_and_no_decay():
