@@ -11,7 +11,10 @@ ACCELERATE := $(VENV)/bin/accelerate
 HAS_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo yes)
 CONFIG ?= $(if $(HAS_GPU),accelerate_configs/single_gpu.yaml,accelerate_configs/cpu.yaml)
 # accelerate runs several CPU processes only with this variable set (see accelerate_configs/cpu_2proc.yaml).
-LAUNCH_ENV := $(if $(findstring cpu,$(notdir $(CONFIG))),ACCELERATE_USE_CPU=1,)
+# On CPU, glibc keeps freed memory instead of handing it back after each step and faulting it in again at the
+# next (the VAE encode of train_lora.py without --cache_latents: 9 % of a step; see README, Performance).
+CPU_MALLOC := MALLOC_MMAP_THRESHOLD_=33554432 MALLOC_TRIM_THRESHOLD_=268435456
+LAUNCH_ENV := $(if $(findstring cpu,$(notdir $(CONFIG))),ACCELERATE_USE_CPU=1 $(CPU_MALLOC),)
 LAUNCH := $(PY) -m common.accelerate_config $(CONFIG) && $(LAUNCH_ENV) $(ACCELERATE) launch --config_file $(CONFIG)
 ARGS ?=
 DIGITS := data/digits/train/metadata.jsonl

