@@ -1,6 +1,7 @@
 """What holds for every training script, checked on the cheapest one (train_classifier.py; the machinery is shared):
 kill -9 during a checkpoint save, non-finite losses, checkpoints that carry code, paths that leave the output folder,
-and the source-level security rules. Signals and exact resume per script are in each script's own test file."""
+the source-level security rules, and determinism (the same command twice). Signals and exact resume per script are in
+each script's own test file."""
 import os
 import pickle
 import re
@@ -10,10 +11,11 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import ROOT, assert_one_line_error, offline_env, read_results, run_script
+from conftest import ROOT, assert_one_line_error, launch, logged_losses, offline_env, read_results, run_script
 
 SMALL = ["--max_train_samples", "160", "--train_batch_size", "16", "--eval_batch_size", "128", "--logging_steps", "1"]
 SCRIPTS = ["train_classifier.py", "train_ddpm.py", "train_lora.py", "sample.py", "inspect_pipeline.py"]
@@ -118,3 +120,34 @@ def test_source_loads_no_pickle_and_trusts_no_remote_code():
         assert not re.search(r"\bpickle\.loads?\(|trust_remote_code\s*=\s*True|register_for_checkpointing", text), \
             path.name
     assert len(sources) > 20
+
+
+DETERMINISM = {  # tiny runs with every random part on: dropout of classes/captions, flips, EMA, validation samples
+    "train_ddpm.py": ["--resolution", "8", "--block_out_channels", "16,32", "--max_train_samples", "32",
+                      "--train_batch_size", "8", "--max_train_steps", "4", "--ddpm_num_steps", "50", "--class_column",
+                      "label", "--use_ema", "--random_flip", "--validation_steps", "2", "--num_validation_images", "2",
+                      "--validation_inference_steps", "2"],
+    "train_lora.py": ["--max_train_samples", "16", "--train_batch_size", "4", "--max_train_steps", "4", "--rank", "2",
+                      "--random_flip", "--caption_dropout_prob", "0.3", "--validation_prompt", "a digit",
+                      "--validation_steps", "2", "--num_validation_images", "1", "--validation_inference_steps", "2"],
+}
+
+
+@pytest.mark.parametrize("script", sorted(DETERMINISM))
+def test_the_same_command_twice_gives_the_same_losses_weights_and_png_bytes(script, digits, tiny_sd, tmp_path):
+    extra = ["--pretrained_model_name_or_path", tiny_sd] if script == "train_lora.py" else []
+    runs = [tmp_path / "first", tmp_path / "second"]
+    for out in runs:
+        launch(script, "--train_data_dir", digits, "--output_dir", out, "--logging_steps", "1",
+               *DETERMINISM[script], *extra)
+    first, second = runs
+    assert len(logged_losses(first)) == 4 and logged_losses(first) == logged_losses(second)
+    assert read_results(first)["final_loss"] == read_results(second)["final_loss"]
+    pngs = sorted(p.relative_to(first) for p in first.rglob("*.png"))
+    assert len(pngs) >= 2
+    assert all((first / p).read_bytes() == (second / p).read_bytes() for p in pngs), pngs
+    files = sorted(first.glob("*/*.safetensors" if script == "train_ddpm.py" else "*.safetensors"))
+    assert files
+    for path in files:
+        a, b = load_file(path), load_file(second / path.relative_to(first))
+        assert all(torch.equal(a[k], b[k]) for k in a), path.name
