@@ -148,7 +148,7 @@ def test_image_text_classifier_with_per_module_learning_rates(digits, tiny_text_
     launch("train_classifier.py", "--train_data_dir", digits, "--output_dir", out, "--text_column", "text",
            "--text_model_name_or_path", tiny_text_model, "--lr_groups", "image_model=1e-3,text_model=4e-3",
            "--max_train_samples", "128", "--train_batch_size", "32", "--max_train_steps", "8", "--report_to", "none",
-           "--lr_scheduler", "constant")
+           "--lr_scheduler", "constant", "--no-channels_last")  # channels-last: the other tests
     results = read_results(out)
     assert results["global_step"] == 8
     assert results["eval_accuracy"] > 0.5  # the caption names the digit: the text branch learns it fast
