@@ -15,7 +15,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import ROOT, assert_one_line_error, launch, logged_losses, offline_env, read_results, run_script
+from conftest import (ROOT, assert_one_line_error, launch, logged_losses, offline_env, read_results, run_script,
+                      signal_when_ready)
 
 SMALL = ["--max_train_samples", "160", "--train_batch_size", "16", "--eval_batch_size", "128", "--logging_steps", "1"]
 SCRIPTS = ["train_classifier.py", "train_ddpm.py", "train_lora.py", "sample.py", "inspect_pipeline.py"]
@@ -53,6 +54,29 @@ def test_kill_9_during_a_checkpoint_save_leaves_only_complete_checkpoints(digits
     assert [p.name for p in out.glob("checkpoint-*")] and len(list(out.glob("checkpoint-*"))) == 2
 
 
+def test_a_signal_during_training_finishes_the_accumulation_cycle_and_resumes_exactly(digits, tmp_path):
+    # Accumulation 4 (short cycles at epoch ends): a SIGTERM sent once checkpoint-3 exists lands in a later cycle,
+    # 3 times in 4 between micro-batches. The run must still stop on a complete optimizer step, and the resumed run
+    # must end exactly like the uninterrupted one.
+    args = [*SMALL, "--gradient_accumulation_steps", "4", "--max_train_steps", "24", "--checkpointing_steps", "1",
+            "--checkpoints_total_limit", "2", "--report_to", "none"]
+    reference = tmp_path / "reference"
+    launch("train_classifier.py", "--train_data_dir", digits, "--output_dir", reference, *args)
+    out = tmp_path / "stopped"
+    cmd = [sys.executable, ROOT / "train_classifier.py", "--train_data_dir", digits, "--output_dir", out, *args]
+    returncode, stderr = signal_when_ready(cmd, out / "checkpoint-3")
+    assert returncode == 143 and "stopped after a complete optimizer step" in stderr, stderr[-3000:]
+    stopped_at = max(int(p.name.split("-")[1]) for p in out.glob("checkpoint-*"))
+    assert 3 <= stopped_at < 24 and not list(out.glob("*.tmp"))
+    launch("train_classifier.py", "--train_data_dir", digits, "--output_dir", out, *args,
+           "--resume_from_checkpoint", "latest")
+    assert read_results(out)["global_step"] == 24
+    a, b = load_file(reference / "model.safetensors"), load_file(out / "model.safetensors")
+    assert not [k for k in a if not torch.equal(a[k], b[k])]
+    for key in ("final_loss", "eval_accuracy"):
+        assert read_results(out)[key] == read_results(reference)[key], key
+
+
 def test_nonfinite_loss_stops_before_the_update_and_keeps_the_last_checkpoint(digits, tmp_path):
     # lr 1e30: step 1 is finite, its update makes the weights huge, step 2's loss is NaN (deterministic on CPU).
     out = tmp_path / "nan"
@@ -65,6 +89,20 @@ def test_nonfinite_loss_stops_before_the_update_and_keeps_the_last_checkpoint(di
     assert not (out / "model.safetensors").exists() and not (out / "all_results.json").exists()
     weights = load_file(out / "checkpoint-1/model/model.safetensors")
     assert all(torch.isfinite(w).all() for w in weights.values())
+
+
+def test_two_processes_stop_together_on_a_nonfinite_loss(digits, tmp_path):
+    # Both ranks decide through one all-reduce (no rank left waiting in a collective); the cause is printed once,
+    # before the launcher's own failure summary.
+    out = tmp_path / "nan2"
+    proc = launch("train_classifier.py", "--train_data_dir", digits, "--output_dir", out, *SMALL, "--max_train_steps",
+                  "6", "--learning_rate", "1e30", "--lr_scheduler", "constant", "--checkpointing_steps", "1",
+                  config="cpu_2proc.yaml", check=False, timeout=300)
+    assert proc.returncode != 0
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "not finite" in errors[0] and "at optimizer step 2" in errors[0], proc.stderr[-3000:]
+    assert proc.stderr.index(errors[0]) < proc.stderr.find("Traceback") or "Traceback" not in proc.stderr
+    assert [p.name for p in out.glob("checkpoint-*")] == ["checkpoint-1"] and not (out / "model.safetensors").exists()
 
 
 def test_skip_nonfinite_steps_skips_the_updates_and_finishes(digits, tmp_path):
