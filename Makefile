@@ -15,7 +15,9 @@ CONFIG ?= $(if $(HAS_GPU),accelerate_configs/single_gpu.yaml,accelerate_configs/
 # next (the VAE encode of train_lora.py without --cache_latents: 9 % of a step; see README, Performance).
 CPU_MALLOC := MALLOC_MMAP_THRESHOLD_=33554432 MALLOC_TRIM_THRESHOLD_=268435456
 LAUNCH_ENV := $(if $(findstring cpu,$(notdir $(CONFIG))),ACCELERATE_USE_CPU=1 $(CPU_MALLOC),)
-LAUNCH := $(PY) -m common.accelerate_config $(CONFIG) && $(LAUNCH_ENV) $(ACCELERATE) launch --config_file $(CONFIG)
+# `accelerate launch` through common/launch.py: a script's one error line stays the last word (no launcher traceback),
+# and a Ctrl-C waits for the checkpoint the training processes write.
+LAUNCH := $(PY) -m common.accelerate_config $(CONFIG) && $(LAUNCH_ENV) $(PY) -m common.launch --config_file $(CONFIG)
 ARGS ?=
 DIGITS := data/digits/train/metadata.jsonl
 

@@ -202,3 +202,26 @@ def test_state_hooks_write_from_pretrained_folders_and_restore(tmp_path):
     restored = {**pretrained.state_dict(), **plain.state_dict()}
     assert all(torch.equal(saved[k], restored[k]) for k in saved)
     assert extra == {"saved": str(tmp_path / "ckpt"), "loaded": str(tmp_path / "ckpt")}
+
+
+def test_preemption_guard_ignores_a_copy_of_the_signal_and_stops_at_a_real_second_one():
+    import signal
+    import time
+
+    from accelerate import Accelerator
+
+    from common.preemption import REPEAT_AFTER_S, PreemptionGuard
+
+    guard = PreemptionGuard(Accelerator(cpu=True))
+    try:
+        assert not guard.should_stop(1)
+        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGTERM)  # the launcher's / the scheduler's copy, at once: the same event
+        assert guard.should_stop(2) and guard.signum == signal.SIGTERM
+        time.sleep(REPEAT_AFTER_S + 0.1)
+        with pytest.raises(SystemExit) as stopped:  # a second signal later: stop now, no checkpoint
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.1)
+        assert stopped.value.code == 128 + signal.SIGINT
+    finally:
+        guard.restore()

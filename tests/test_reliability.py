@@ -189,3 +189,37 @@ def test_the_same_command_twice_gives_the_same_losses_weights_and_png_bytes(scri
     for path in files:
         a, b = load_file(path), load_file(second / path.relative_to(first))
         assert all(torch.equal(a[k], b[k]) for k in a), path.name
+
+
+# Through the Makefile (common/launch.py around `accelerate launch`), as users run the recipes.
+MAKE = ["make", "--no-print-directory", "-o", ".venv/.installed", "-o", "data/digits/train/metadata.jsonl",
+        "train-classifier"]
+
+
+@pytest.mark.parametrize("config", ["cpu.yaml", "cpu_2proc.yaml"])
+def test_through_make_a_user_error_is_one_line_without_the_launchers_traceback(config, digits, tmp_path):
+    proc = subprocess.run([*MAKE, f"CONFIG=accelerate_configs/{config}", f"OUTPUT={tmp_path / 'out'}",
+                           f"ARGS=--train_data_dir {digits} --max_train_steps 0"],
+                          cwd=ROOT, env=offline_env(), capture_output=True, text=True, timeout=300)
+    assert_one_line_error(proc, "--max_train_steps")
+    assert "Error 2" in proc.stderr  # make saw the script's exit code
+
+
+@pytest.mark.parametrize("config", ["cpu.yaml", "cpu_2proc.yaml"])
+def test_ctrl_c_through_make_returns_after_the_checkpoint_is_written(config, digits, tmp_path):
+    # A terminal's Ctrl-C signals the whole foreground process group: make, the launcher and (one process) the
+    # script. The launcher must wait for the script's checkpoint instead of dying with a KeyboardInterrupt.
+    out = tmp_path / "out"
+    proc = subprocess.Popen([*MAKE, f"CONFIG=accelerate_configs/{config}", f"OUTPUT={out}",
+                             f"ARGS=--train_data_dir {digits} --max_train_steps 100000"], cwd=ROOT, env=offline_env(),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.time() + 300
+    while not (out / "logs").exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGINT)
+    _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode != 0
+    checkpoints = [p.name for p in out.iterdir() if p.name.startswith("checkpoint-")]
+    assert len(checkpoints) == 1 and not checkpoints[0].endswith(".tmp"), (checkpoints, stderr[-3000:])
+    assert stderr.count("SIGINT received: stopped after a complete optimizer step") == 1, stderr[-3000:]
+    assert "Traceback" not in stderr and "Error 130" in stderr, stderr[-3000:]  # the script's exit code, passed on
