@@ -237,7 +237,7 @@ def main(args):
                     disable=not accelerator.is_local_main_process)
     start_time, start_step = time.time(), global_step
     metrics, loss_sum, last_loss = {}, torch.zeros((), device=accelerator.device), None
-    update, skipped_steps = True, 0
+    skipped_steps = 0
     try:
         for epoch in range(first_epoch, num_train_epochs):
             unet.train()
@@ -273,8 +273,7 @@ def main(args):
                         update = finite_step(accelerator, loss_sum, global_step + 1, args.skip_nonfinite_steps)
                         if update:
                             accelerator.clip_grad_norm_(unet.parameters(), args.max_grad_norm)
-                    if update:
-                        optimizer.step()
+                            optimizer.step()  # (between syncs accelerate's step does nothing: no call needed)
                     lr_scheduler.step()
                     optimizer.zero_grad(set_to_none=True)
                 if not accelerator.sync_gradients:

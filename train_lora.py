@@ -299,7 +299,7 @@ def main(args):
                     disable=not accelerator.is_local_main_process)
     start_time, start_step = time.time(), global_step
     loss_sum, last_loss, images = torch.zeros((), device=accelerator.device), None, []
-    update, skipped_steps = True, 0
+    skipped_steps = 0
     group_names = [group["name"] for group in optimizer.param_groups]
     prediction_type = noise_scheduler.config.prediction_type
     validation = dict(args=args, accelerator=accelerator, vae=vae, tokenizer=tokenizer, scheduler=noise_scheduler,
@@ -348,8 +348,7 @@ def main(args):
                         update = finite_step(accelerator, loss_sum, global_step + 1, args.skip_nonfinite_steps)
                         if update:
                             accelerator.clip_grad_norm_(list(trainable.values()), args.max_grad_norm)
-                    if update:
-                        optimizer.step()
+                            optimizer.step()  # (between syncs accelerate's step does nothing: no call needed)
                     lr_scheduler.step()
                     optimizer.zero_grad(set_to_none=True)
                 if not accelerator.sync_gradients:

@@ -172,17 +172,17 @@ def check_writable(path, flag, value=None):
                         f"system); choose another {flag} or make that folder writable")
 
 
-def check_model_folder(path, flag, required, what):
-    """A local model path holds `required` (a file name relative to it); a path that cannot be a hub id must exist.
+def could_be_hub_id(path):
+    """A path that does not exist here and reads like a hub id (name or owner/name), to be checked when it loads."""
+    return not os.path.exists(path) and not path.startswith((".", "/", "~")) and path.count("/") <= 1
 
-    Hub ids (owner/name) pass: they are checked when they load. -> True for a local folder.
-    """
+
+def check_model_folder(path, flag, required, what):
+    """A local model path holds `required` (a file name relative to it); a path that cannot be a hub id must exist."""
     if os.path.isdir(path):
         if not os.path.isfile(os.path.join(path, required)):
             raise UserError(f"{flag} '{path}' is not {what} (no {required} in it)")
-        return True
-    if os.path.exists(path):
+    elif os.path.exists(path):
         raise UserError(f"{flag} '{path}' is a file; give {what} folder or a hub id")
-    if path.startswith((".", "/", "~")) or path.count("/") > 1:
+    elif not could_be_hub_id(path):
         raise UserError(f"{flag} '{path}' does not exist (and is not a hub id owner/name)")
-    return False

@@ -6,6 +6,7 @@ import json
 import math
 import os
 
+from .args import could_be_hub_id
 from .cli import UserError
 
 
@@ -45,7 +46,7 @@ def pretrained_unet_config(path):
     pipeline / train_ddpm.py checkpoint with unet/), None for a hub id; a local folder of another kind is an error."""
     flag = "--pretrained_model_name_or_path"
     if not os.path.isdir(path):
-        if os.path.exists(path) or path.startswith((".", "/", "~")) or path.count("/") > 1:
+        if not could_be_hub_id(path):
             raise UserError(f"{flag} '{path}' is neither a folder nor a hub id (owner/name)")
         return None
     folder = os.path.join(path, "unet") if os.path.isdir(os.path.join(path, "unet")) else path

@@ -289,29 +289,10 @@ def check(script, c, paths):
     assert [snapshot(w) for w in watched] == before, "an existing output was changed or something new was written"
 
 
-@pytest.mark.parametrize("c", CLASSIFIER, ids=lambda c: c.id)
-def test_train_classifier(paths, c):
-    check("train_classifier.py", c, paths)
-
-
-@pytest.mark.parametrize("c", DDPM, ids=lambda c: c.id)
-def test_train_ddpm(paths, c):
-    check("train_ddpm.py", c, paths)
-
-
-@pytest.mark.parametrize("c", LORA, ids=lambda c: c.id)
-def test_train_lora(paths, c):
-    check("train_lora.py", c, paths)
-
-
-@pytest.mark.parametrize("c", SAMPLE, ids=lambda c: c.id)
-def test_sample(paths, c):
-    check("sample.py", c, paths)
-
-
-@pytest.mark.parametrize("c", INSPECT, ids=lambda c: c.id)
-def test_inspect_pipeline(paths, c):
-    check("inspect_pipeline.py", c, paths)
+@pytest.mark.parametrize(("script", "c"), [(script, c) for script, (_, cases) in TABLES.items() for c in cases],
+                         ids=lambda value: value.id if isinstance(value, Case) else value.removesuffix(".py"))
+def test_bad_input(paths, script, c):
+    check(script, c, paths)
 
 
 # ------------------------------------------------------------------------------------------ beyond the tables
