@@ -37,3 +37,5 @@ for accumulation in accumulations:
     results[str(accumulation)] = {"lrs": lrs, "total": total}
 if accelerator.is_main_process:
     json.dump(results, open(out, "w"))
+accelerator.wait_for_everyone()
+accelerator.end_training()  # destroys the process group: a rank leaving with gloo still open can abort the other
