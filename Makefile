@@ -89,5 +89,13 @@ BENCH_ARGS ?=
 bench: data $(TINY_SD)
 	$(PY) tests/benchmarks/run_bench.py $(BENCH_ARGS)
 
+# On a GPU: train_lora.py on the Stable Diffusion 1.5 architecture (random weights, built offline into
+# models/sd15-random the first time) at 512 px, batch 1 and 4, fp16 and bf16, with and without gradient
+# checkpointing, against its reference loop: steps/s, peak GPU memory, MFU; outputs/bench/gpu_results.json.
+# About 9 min on one H100 (8 recipe runs of ~45 s, most of it start-up). BENCH_ARGS="--precisions bf16" etc.
+.PHONY: bench-gpu
+bench-gpu: data
+	$(PY) tests/benchmarks/gpu_lora.py $(BENCH_ARGS)
+
 clean:
 	rm -rf outputs data models .pytest_cache

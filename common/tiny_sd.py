@@ -1,16 +1,38 @@
-"""`python -m common.tiny_sd`: a tiny random-init Stable Diffusion pipeline, built locally, for offline runs.
+"""`python -m common.tiny_sd`: a random-init Stable Diffusion pipeline, built locally, for offline runs.
 
 The same layout as stable-diffusion-v1-5 (UNet2DConditionModel, AutoencoderKL, CLIPTextModel, CLIPTokenizer,
 DDPMScheduler with SD's betas), so `StableDiffusionPipeline.from_pretrained` loads it and train_lora.py trains on it
-exactly as on the real model, but 2.4 M parameters: 32 px images -> 8x8x4 latents (a 3-level VAE with SD's two
-ResNet layers per level, so that encoding costs what it costs in SD relative to the UNet), a 2-level UNet with
-cross-attention at both levels, a 2-layer CLIP text encoder (77 tokens). Its weights are random: it produces noise,
-not pictures. Nothing is downloaded: the tokenizer's byte-level vocabulary (no merges) is written here.
+exactly as on the real model. Its weights are random: it produces noise, not pictures. Nothing is downloaded: the
+tokenizer's byte-level vocabulary (no merges) is written here.
+
+--architecture tiny (default, `make tiny-sd`): 2.4 M parameters, 32 px images -> 8x8x4 latents (a 3-level VAE with
+SD's two ResNet layers per level, so that encoding costs what it costs in SD relative to the UNet), a 2-level UNet
+with cross-attention at both levels, a 2-layer CLIP text encoder (77 tokens).
+--architecture sd15: Stable Diffusion 1.5's own architecture from its public configs (UNet 860 M parameters, VAE
+84 M, CLIP ViT-L/14 text encoder 123 M), 512 px -> 64x64x4 latents: what GPU speed and memory are measured on
+(`make bench-gpu`). About 4 GB on disk; build it on a GPU (--device cuda) if one is there.
 """
 import argparse
 import json
 import os
 import shutil
+
+# The public configs of stable-diffusion-v1-5 (unet/config.json, vae/config.json) and of CLIP ViT-L/14's text
+# tower (its text_encoder/config.json); only the vocabulary differs: the byte-level one below has 514 tokens, the
+# embedding table keeps CLIP's 49,408 rows.
+SD15 = {
+    "unet": dict(sample_size=64, in_channels=4, out_channels=4, layers_per_block=2,
+                 block_out_channels=(320, 640, 1280, 1280),
+                 down_block_types=("CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D",
+                                   "DownBlock2D"),
+                 up_block_types=("UpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D"),
+                 cross_attention_dim=768, attention_head_dim=8, norm_num_groups=32),
+    "vae": dict(in_channels=3, out_channels=3, latent_channels=4, block_out_channels=(128, 256, 512, 512),
+                down_block_types=["DownEncoderBlock2D"] * 4, up_block_types=["UpDecoderBlock2D"] * 4,
+                layers_per_block=2, norm_num_groups=32, sample_size=512, scaling_factor=0.18215),
+    "text": dict(vocab_size=49408, hidden_size=768, intermediate_size=3072, num_hidden_layers=12,
+                 num_attention_heads=12, max_position_embeddings=77, projection_dim=768, hidden_act="quick_gelu"),
+}
 
 
 def byte_level_vocab():
@@ -22,8 +44,23 @@ def byte_level_vocab():
     return {token: i for i, token in enumerate(tokens)}
 
 
-def build_tiny_sd(unet_channels=(32, 64), text_dim=32, seed=0):
-    """-> StableDiffusionPipeline with random weights (deterministic for a seed)."""
+def tiny_configs(unet_channels=(32, 64), text_dim=32):
+    return {
+        "unet": dict(sample_size=8, in_channels=4, out_channels=4, layers_per_block=1,
+                     block_out_channels=tuple(unet_channels),
+                     down_block_types=("CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
+                     up_block_types=("CrossAttnUpBlock2D", "CrossAttnUpBlock2D"),
+                     cross_attention_dim=text_dim, attention_head_dim=4, norm_num_groups=min(unet_channels) // 2),
+        "vae": dict(in_channels=3, out_channels=3, latent_channels=4, block_out_channels=(32, 64, 64),
+                    down_block_types=["DownEncoderBlock2D"] * 3, up_block_types=["UpDecoderBlock2D"] * 3,
+                    layers_per_block=2, norm_num_groups=32, sample_size=32),
+        "text": dict(hidden_size=text_dim, intermediate_size=2 * text_dim, num_hidden_layers=2,
+                     num_attention_heads=4, max_position_embeddings=77, projection_dim=text_dim),
+    }
+
+
+def build_random_sd(configs, seed=0, device="cpu"):
+    """-> StableDiffusionPipeline with random weights (deterministic for a seed and device), on the CPU."""
     import torch
     from diffusers import AutoencoderKL, DDPMScheduler, StableDiffusionPipeline, UNet2DConditionModel
     from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
@@ -31,33 +68,34 @@ def build_tiny_sd(unet_channels=(32, 64), text_dim=32, seed=0):
     torch.manual_seed(seed)
     vocab = byte_level_vocab()
     tokenizer = CLIPTokenizer(vocab=vocab, merges=[], model_max_length=77)
-    text_encoder = CLIPTextModel(CLIPTextConfig(
-        vocab_size=len(vocab), hidden_size=text_dim, intermediate_size=2 * text_dim, num_hidden_layers=2,
-        num_attention_heads=4, max_position_embeddings=77, projection_dim=text_dim,
-        bos_token_id=vocab["<|startoftext|>"], eos_token_id=vocab["<|endoftext|>"],
-        pad_token_id=vocab["<|endoftext|>"]))
-    vae = AutoencoderKL(in_channels=3, out_channels=3, latent_channels=4, block_out_channels=(32, 64, 64),
-                        down_block_types=["DownEncoderBlock2D"] * 3, up_block_types=["UpDecoderBlock2D"] * 3,
-                        layers_per_block=2, norm_num_groups=32, sample_size=32)
-    with torch.no_grad():  # scale the random VAE's latents to unit variance, as SD's 0.18215 does for its own
-        std = vae.encode(torch.rand(16, 3, 32, 32) * 2 - 1).latent_dist.mean.std().item()
-    vae.register_to_config(scaling_factor=round(1.0 / std, 5))
-    unet = UNet2DConditionModel(
-        sample_size=8, in_channels=4, out_channels=4, layers_per_block=1, block_out_channels=tuple(unet_channels),
-        down_block_types=("CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
-        up_block_types=("CrossAttnUpBlock2D", "CrossAttnUpBlock2D"),
-        cross_attention_dim=text_dim, attention_head_dim=4, norm_num_groups=min(unet_channels) // 2)
+    with torch.device(device):  # a large model initialises far faster on a GPU
+        text_encoder = CLIPTextModel(CLIPTextConfig(
+            **{"vocab_size": len(vocab), **configs["text"]}, bos_token_id=vocab["<|startoftext|>"],
+            eos_token_id=vocab["<|endoftext|>"], pad_token_id=vocab["<|endoftext|>"]))
+        vae = AutoencoderKL(**configs["vae"])
+        if "scaling_factor" not in configs["vae"]:
+            with torch.no_grad():  # scale the random VAE's latents to unit variance, as SD's 0.18215 does for its own
+                size = configs["vae"]["sample_size"]
+                std = vae.encode(torch.rand(16, 3, size, size) * 2 - 1).latent_dist.mean.std().item()
+            vae.register_to_config(scaling_factor=round(1.0 / std, 5))
+        unet = UNet2DConditionModel(**configs["unet"])
     scheduler = DDPMScheduler(num_train_timesteps=1000, beta_start=0.00085, beta_end=0.012,
                               beta_schedule="scaled_linear", prediction_type="epsilon", clip_sample=False,
                               steps_offset=1)
-    return StableDiffusionPipeline(vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, unet=unet,
-                                   scheduler=scheduler, safety_checker=None, feature_extractor=None,
+    return StableDiffusionPipeline(vae=vae.cpu(), text_encoder=text_encoder.cpu(), tokenizer=tokenizer,
+                                   unet=unet.cpu(), scheduler=scheduler, safety_checker=None, feature_extractor=None,
                                    requires_safety_checker=False)
 
 
-def write_tiny_sd(output_dir, **kwargs):
-    """Build and save; the folder appears under its final name only when complete."""
-    pipe = build_tiny_sd(**kwargs)
+def build_tiny_sd(unet_channels=(32, 64), text_dim=32, seed=0):
+    """-> the tiny StableDiffusionPipeline with random weights (deterministic for a seed)."""
+    return build_random_sd(tiny_configs(unet_channels, text_dim), seed)
+
+
+def write_tiny_sd(output_dir, architecture="tiny", seed=0, device="cpu", **kwargs):
+    """Build and save; the folder appears under its final name only when complete. -> the number of parameters."""
+    configs = SD15 if architecture == "sd15" else tiny_configs(**kwargs)
+    pipe = build_random_sd(configs, seed, device)
     output_dir = output_dir.rstrip("/")
     tmp = output_dir + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -68,8 +106,9 @@ def write_tiny_sd(output_dir, **kwargs):
     with open(os.path.join(tmp, "tokenizer", "merges.txt"), "w") as f:
         f.write("#version: 0.2\n")
     with open(os.path.join(tmp, "README.md"), "w") as f:
-        f.write("# tiny-sd\n\nA tiny **random-init** Stable Diffusion pipeline written by `python -m common.tiny_sd`, "
-                "for offline smoke runs and tests. It produces noise, not pictures.\n")
+        what = "Stable Diffusion 1.5 architecture" if architecture == "sd15" else "tiny Stable Diffusion"
+        f.write(f"# {os.path.basename(output_dir)}\n\nA **random-init** {what} pipeline written by `python -m "
+                "common.tiny_sd`, for offline runs, tests and benchmarks. It produces noise, not pictures.\n")
     if os.path.exists(output_dir):
         shutil.rmtree(output_dir)
     os.replace(tmp, output_dir)
@@ -79,7 +118,10 @@ def write_tiny_sd(output_dir, **kwargs):
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--output_dir", default="models/tiny-sd")
+    parser.add_argument("--architecture", choices=["tiny", "sd15"], default="tiny")
+    parser.add_argument("--device", default="cpu", help="Where the weights are initialised (cuda: much faster).")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    n = write_tiny_sd(args.output_dir, seed=args.seed)
-    print(f"wrote a tiny random-init Stable Diffusion pipeline ({n / 1e6:.2f} M parameters) to {args.output_dir}")
+    n = write_tiny_sd(args.output_dir, args.architecture, args.seed, args.device)
+    print(f"wrote a random-init Stable Diffusion pipeline ({args.architecture}, {n / 1e6:.2f} M parameters) "
+          f"to {args.output_dir}")

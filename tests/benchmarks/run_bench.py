@@ -57,7 +57,7 @@ def tree_cpu_seconds(pid):
 def run_timed(cmd, env, log_path):
     """Run cmd, stdout+stderr to log_path. -> (wall seconds, {step n: (wall, CPU seconds) when tqdm showed it})."""
     seen = {}
-    with open(log_path, "wb") as log:
+    with open(log_path, "wb", buffering=0) as log:  # unbuffered: a killed run still leaves its log
         start = time.perf_counter()
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         while chunk := os.read(proc.stdout.fileno(), 1 << 16):  # tqdm flushes each update: one small write
@@ -74,12 +74,18 @@ def run_timed(cmd, env, log_path):
     return wall, seen
 
 
-def recipe_run(name, w, config, launcher, env, tag):
-    out = os.path.join(OUT, name)
+def accelerate_cli():
+    """The `accelerate` command of this Python (the venv's, as users type it)."""
+    accelerate = os.path.join(os.path.dirname(sys.executable), "accelerate")
+    return [accelerate] if os.path.exists(accelerate) else [sys.executable, "-m", "accelerate.commands.accelerate_cli"]
+
+
+def recipe_run(name, w, config, launcher, env, tag, root=OUT):
+    out = os.path.join(root, name)
     shutil.rmtree(out, ignore_errors=True)
     cmd = [*launcher, *config["launch"], w["script"], *w["args"], "--max_train_steps", str(w["steps"]),
            "--output_dir", out]
-    wall, seen = run_timed(cmd, env, os.path.join(OUT, "logs", f"{name}-recipe-{tag}.log"))
+    wall, seen = run_timed(cmd, env, os.path.join(root, "logs", f"{name}-recipe-{tag}.log"))
     # Intervals between the progress updates seen from the warm-up on, up to the last one before the end (tqdm
     # prints the final step again when the bar closes, after evaluation and saving), less those that hold an
     # end-of-epoch evaluation (`eval_every`).
@@ -89,7 +95,7 @@ def recipe_run(name, w, config, launcher, env, tag):
             for (n0, t0), (n1, t1) in zip(points, points[1:])
             if not any(n0 <= k < n1 for k in range(every, w["steps"], every))]
     if not kept:
-        raise SystemExit(f"{name}: too few progress updates to time ({sorted(seen)}); see the log in {OUT}/logs")
+        raise SystemExit(f"{name}: too few progress updates to time ({sorted(seen)}); see the log in {root}/logs")
     timed_steps = sum(k[0] for k in kept)
     rate = timed_steps / sum(k[1] for k in kept)
     cpu_rate = timed_steps / sum(k[2] for k in kept) if kept[0][2] is not None else None
@@ -239,9 +245,7 @@ def main():
     repeats = args.repeats or config["repeats"]
     names = args.only.split(",") if args.only else list(config["workloads"])
     env = bench_env(config)
-    accelerate = os.path.join(os.path.dirname(sys.executable), "accelerate")  # the venv's, as users type it
-    launcher = ([accelerate] if os.path.exists(accelerate)
-                else [sys.executable, "-m", "accelerate.commands.accelerate_cli"])
+    launcher = accelerate_cli()
     os.makedirs(os.path.join(OUT, "logs"), exist_ok=True)
     results = {"machine": machine_facts(), "repeats": repeats, "targets": config["targets"],
                "launch": " ".join(["accelerate", *config["launch"]]), "env": config["env"]}
