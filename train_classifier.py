@@ -74,7 +74,7 @@ def main(args):
     from tqdm.auto import tqdm
 
     from common.checkpoints import checkpoint_step, load_checkpoint, resolve_resume, save_checkpoint
-    from common.image_data import ImageDataset, label_names, load_image_dataset, require_columns
+    from common.image_data import ImageDataset, collate_batch, label_names, load_image_dataset, require_columns
     from common.lr_schedulers import build_lr_scheduler
     from common.model_card import write_model_card
     from common.nonfinite_loss import finite_step
@@ -177,9 +177,9 @@ def main(args):
                                  columns=columns(eval_ds))
     train_dataloader = torch.utils.data.DataLoader(
         train_data, batch_size=args.train_batch_size, shuffle=True, num_workers=args.dataloader_num_workers,
-        generator=torch.Generator().manual_seed(args.seed))  # its own RNG: iterating never moves the global one
+        collate_fn=collate_batch, generator=torch.Generator().manual_seed(args.seed))  # own RNG: the global one stays
     eval_dataloader = torch.utils.data.DataLoader(eval_data, batch_size=args.eval_batch_size,
-                                                  num_workers=args.dataloader_num_workers)
+                                                  num_workers=args.dataloader_num_workers, collate_fn=collate_batch)
 
     # 4. Optimizer on per-module parameter groups; warm-up -> cosine counted in optimizer steps.
     # fused AdamW: one kernel for all parameters (3-4x faster than the default per-tensor loop on CPU and GPU).

@@ -108,7 +108,7 @@ def main(args):
 
     from common.checkpoints import checkpoint_step, load_checkpoint, resolve_resume, save_checkpoint
     from common.classifier_metrics import ClassifierScorer
-    from common.image_data import ImageDataset, label_names, load_image_dataset, require_columns
+    from common.image_data import ImageDataset, collate_batch, label_names, load_image_dataset, require_columns
     from common.lr_schedulers import build_lr_scheduler
     from common.model_card import write_model_card
     from common.param_groups import build_param_groups
@@ -150,7 +150,7 @@ def main(args):
                                   random_flip=args.random_flip, columns=columns, seed=args.seed)
     train_dataloader = torch.utils.data.DataLoader(
         train_data, batch_size=args.train_batch_size, shuffle=True, num_workers=args.dataloader_num_workers,
-        generator=torch.Generator().manual_seed(args.seed))  # its own RNG: iterating never moves the global one
+        collate_fn=collate_batch, generator=torch.Generator().manual_seed(args.seed))  # own RNG: the global one stays
 
     # 3. Model: a UNet2DModel from a config, from a pretrained UNet/pipeline, or the small default; the noise schedule.
     from diffusers import DDPMPipeline, DDPMScheduler, UNet2DModel  # here: a data mistake is reported seconds sooner

@@ -125,7 +125,7 @@ def main(args):
     from tqdm.auto import tqdm
 
     from common.checkpoints import checkpoint_step, load_checkpoint, save_checkpoint
-    from common.image_data import ImageDataset, load_image_dataset, require_columns
+    from common.image_data import ImageDataset, collate_batch, load_image_dataset, require_columns
     from common.latent_cache import CachedLatents
     from common.lora_weights import load_lora_state, save_lora_state, save_lora_weights
     from common.lr_schedulers import build_lr_scheduler
@@ -247,7 +247,7 @@ def main(args):
         train_data = CachedLatents(train_data, encode, args.train_batch_size)
     train_dataloader = torch.utils.data.DataLoader(
         train_data, batch_size=args.train_batch_size, shuffle=True, num_workers=args.dataloader_num_workers,
-        generator=torch.Generator().manual_seed(args.seed))  # its own RNG: iterating never moves the global one
+        collate_fn=collate_batch, generator=torch.Generator().manual_seed(args.seed))  # own RNG: the global one stays
 
     # 4. Optimizer on the LoRA weights (the text encoder's at its own LR); schedule counted in optimizer steps.
     lr_groups = {"text_encoder": args.text_encoder_lr or args.learning_rate} if args.train_text_encoder else {}

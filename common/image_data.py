@@ -172,6 +172,8 @@ class ImageDataset(torch.utils.data.Dataset):
         pixels = self.cache[index] if self.cache is not None else self._decode(index)
         r = self.resolution
         _, h, w = pixels.shape
+        if h == w == r and not self.random_flip:  # nothing to draw: any crop of an R x R image is all of it
+            return pixels
         top, left, flip = self.augmentation(index, h, w)
         pixels = pixels[:, top:top + r, left:left + r]
         return pixels.flip(-1) if flip else pixels
@@ -186,7 +188,20 @@ class ImageDataset(torch.utils.data.Dataset):
         return self.item(index, (self.crop(index).float() - self.mean) / self.std)
 
     def __getitems__(self, indices):
-        """A batch for the DataLoader: the same items as __getitem__ (bit for bit), normalized in one operation
-        instead of one per image (1.6 ms of a 64-image batch of the classifier demo)."""
+        """The DataLoader's whole batch at once (give it collate_fn=collate_batch): what default_collate makes of
+        the __getitem__ items, bit for bit, with one normalization and one gather per column instead of a dict per
+        image (0.7 -> 0.2 ms a 64-image batch of the classifier demo)."""
         pixels = (torch.stack([self.crop(i) for i in indices]).float() - self.mean) / self.std
-        return [self.item(i, p) for i, p in zip(indices, pixels)]
+        return {"pixel_values": pixels, **{name: gather(values, indices) for name, values in self.columns.items()}}
+
+
+def gather(values, indices):
+    """values[indices] as default_collate stacks them: a tensor column in one indexing operation."""
+    if isinstance(values, torch.Tensor):
+        return values[torch.as_tensor(indices)]
+    return torch.utils.data.default_collate([values[i] for i in indices])
+
+
+def collate_batch(batch):
+    """collate_fn for ImageDataset and CachedLatents, whose __getitems__ returns the batch itself."""
+    return batch if isinstance(batch, dict) else torch.utils.data.default_collate(batch)

@@ -31,6 +31,21 @@ class CachedLatents:
     def __len__(self):
         return len(self.images)
 
-    def __getitem__(self, index):
+    def views(self, indices):
+        """Which view (0: as is, 1: mirrored) each item shows in the current epoch."""
+        import torch
+
         r = self.images.resolution
-        return {"latent_params": self.params[index, int(self.images.augmentation(index, r, r)[2])], "index": index}
+        if not self.images.random_flip:
+            return torch.zeros(len(indices), dtype=torch.long)
+        return torch.tensor([int(self.images.augmentation(i, r, r)[2]) for i in indices])
+
+    def __getitem__(self, index):
+        return {"latent_params": self.params[index, self.views([index])[0]], "index": index}
+
+    def __getitems__(self, indices):
+        """The DataLoader's whole batch (collate_fn=common.image_data.collate_batch): one gather, no dict per item."""
+        import torch
+
+        index = torch.as_tensor(indices)
+        return {"latent_params": self.params[index, self.views(indices)], "index": index}

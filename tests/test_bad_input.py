@@ -417,14 +417,14 @@ def test_corrupt_image_found_in_a_dataloader_worker_is_one_line(paths, capsys):
     import torch
 
     from common.cli import run
-    from common.image_data import ImageDataset
+    from common.image_data import ImageDataset, collate_batch
 
     files = sorted(str(p) for p in (paths["corrupt"] / "train").glob("*.png"))
     ds = datasets.Dataset.from_dict({"image": files}).cast_column("image", datasets.Image())
     data = ImageDataset(ds, "image", 16, cache_limit_gb=0)
 
     def main(args):
-        for _ in torch.utils.data.DataLoader(data, batch_size=4, num_workers=1):
+        for _ in torch.utils.data.DataLoader(data, batch_size=4, num_workers=1, collate_fn=collate_batch):
             pass
 
     with pytest.raises(SystemExit):

@@ -12,7 +12,8 @@ from PIL import Image
 from common.accelerate_config import check as check_accelerate_config
 from common.checkpoints import list_checkpoints, resolve_resume, save_checkpoint
 from common.cli import UserError
-from common.image_data import ImageDataset, label_names, load_image_dataset, require_columns, to_rgb
+from common.image_data import (ImageDataset, collate_batch, label_names, load_image_dataset, require_columns,
+                               to_rgb)
 from common.param_groups import build_param_groups, parse_lr_groups
 from common.trackers import sanitize_config
 from common.training_steps import plan_steps, resume_position
@@ -74,11 +75,44 @@ def test_dataset_transforms_are_reproducible_per_epoch(tmp_path):
     torch.manual_seed(123)  # the global RNG plays no part
     assert all(torch.equal(a, data[i]["pixel_values"]) for i, a in enumerate(first))
     assert data[2]["i"] == 2
-    batch = data.__getitems__([3, 1, 2])  # what the DataLoader calls: the same items, bit for bit
-    assert [item["i"] for item in batch] == [3, 1, 2]
-    assert all(torch.equal(item["pixel_values"], first[i]) for i, item in zip([3, 1, 2], batch))
+    batch = data.__getitems__([3, 1, 2])  # what the DataLoader calls: the collated items, bit for bit
+    assert batch["i"].tolist() == [3, 1, 2]
+    assert torch.equal(batch["pixel_values"], torch.stack([first[i] for i in (3, 1, 2)]))
+    loader = torch.utils.data.DataLoader(data, batch_size=3, collate_fn=collate_batch)
+    assert torch.equal(next(iter(loader))["pixel_values"], torch.stack(first[:3]))
     data.set_epoch(1)
     assert any(not torch.equal(a, data[i]["pixel_values"]) for i, a in enumerate(first))  # a new epoch: new crops
+
+
+def test_batches_equal_the_collated_items(tmp_path):
+    """__getitems__ (ImageDataset, CachedLatents) gives what default_collate makes of __getitem__'s items, bit for bit:
+    images of the training size and larger, random crops and flips, tensor and list columns, across epochs."""
+    import datasets
+
+    from common.latent_cache import CachedLatents
+
+    rng = np.random.default_rng(0)
+    for size, flip in ((16, False), (16, True), (24, False), (24, True)):
+        paths = [str(tmp_path / f"{size}-{i}.png") for i in range(6)]
+        for path in paths:
+            Image.fromarray(rng.integers(0, 256, (size, size, 3), dtype=np.uint8)).save(path)
+        ds = datasets.Dataset.from_dict({"image": paths}).cast_column("image", datasets.Image())
+        columns = {"label": torch.arange(6) * 10, "caption": [f"c{i}" for i in range(6)]}
+        data = ImageDataset(ds, "image", 16, center_crop=False, random_flip=flip, columns=columns, seed=3)
+        center = ImageDataset(ds, "image", 16, center_crop=True, random_flip=flip, seed=3)  # what --cache_latents uses
+        cached = CachedLatents(ImageDataset(ds, "image", 16, random_flip=flip, seed=3), lambda x: x[:, :2] * 2, 4)
+        indices = [5, 0, 3, 3]
+        for epoch in (0, 1):
+            for dataset in (data, cached, center):
+                dataset.set_epoch(epoch)
+            for dataset in (data, cached):
+                expected = torch.utils.data.default_collate([dataset[i] for i in indices])
+                batch = collate_batch(dataset.__getitems__(indices))
+                assert batch.keys() == expected.keys()
+                for key, value in expected.items():
+                    assert value == batch[key] if isinstance(value, list) else torch.equal(value, batch[key]), key
+            encoded = torch.stack([center[i]["pixel_values"][:2] * 2 for i in indices])  # this epoch's flips
+            assert torch.equal(cached.__getitems__(indices)["latent_params"], encoded)
 
 
 def test_macro_f1_matches_sklearn():
