@@ -213,12 +213,7 @@ def table(results):
                      f"{(rec or ref)['samples_per_second']:.1f}",
                      f"{rec['peak_memory_mb'] / 1024:.2f} ({ref['peak_memory_mb'] / 1024:.2f})" if rec
                      else f"- ({ref['peak_memory_mb'] / 1024:.2f})", f"{tflop:.2f}", f"{pct[0]} ({pct[1]})"])
-    widths = [max(len(str(row[i])) for row in [header, *rows]) for i in range(len(header))]
-
-    def line(row):
-        return "| " + " | ".join(str(c).ljust(wd) for c, wd in zip(row, widths)) + " |"
-
-    return "\n".join([line(header), "|" + "|".join("-" * (wd + 2) for wd in widths) + "|", *map(line, rows)])
+    return run_bench.markdown_table(header, rows)
 
 
 def main():

@@ -198,6 +198,16 @@ def summarize(runs, targets):
     return workloads
 
 
+def markdown_table(header, rows):
+    """Aligned markdown (pasteable into the README)."""
+    widths = [max(len(str(row[i])) for row in [header, *rows]) for i in range(len(header))]
+
+    def line(row):
+        return "| " + " | ".join(str(c).ljust(wd) for c, wd in zip(row, widths)) + " |"
+
+    return "\n".join([line(header), "|" + "|".join("-" * (wd + 2) for wd in widths) + "|", *map(line, rows)])
+
+
 def table(results):
     """One markdown table (pasteable into the README)."""
     t = results["targets"]
@@ -224,12 +234,7 @@ def table(results):
     for script, h in results.get("help", {}).items():
         rows.append([f"{script} --help", f"{h['median_s']:.2f} s", "", "", f"<= {t['max_help_seconds']} s",
                      ok[h["median_s"] <= t["max_help_seconds"]], "", "", ""])
-    widths = [max(len(str(row[i])) for row in [header, *rows]) for i in range(len(header))]
-
-    def line(row):
-        return "| " + " | ".join(str(c).ljust(wd) for c, wd in zip(row, widths)) + " |"
-
-    return "\n".join([line(header), "|" + "|".join("-" * (wd + 2) for wd in widths) + "|", *map(line, rows)])
+    return markdown_table(header, rows)
 
 
 def main():
