@@ -258,7 +258,8 @@ def main():
     os.makedirs(os.path.join(root, "logs"), exist_ok=True)
     env = dict(os.environ, **g["env"])
     env.pop("TQDM_DISABLE", None)  # the progress bar is what the recipe is timed by
-    targets = __import__("train_lora").UNET_TARGETS.split(",")
+    from train_lora import UNET_TARGETS  # the recipe's default LoRA targets
+
     results = {"machine": machine_facts(device), "configs": [],
                "settings": {**{k: g[k] for k in ("base", "resolution", "steps", "warmup", "args")},
                             "launch_args": args.launch_args}}
@@ -269,17 +270,16 @@ def main():
         with open(args.output, "w") as f:
             json.dump(results, f, indent=2)
 
-    matrix = [(p, b, c) for p in precisions for b in batch_sizes for c in checkpointing]
     for precision in precisions:  # the reference loops: one process, the base loaded once per precision
-        unet = load_lora_unet(base, precision, device, rank=8, targets=targets)
-        for _, batch_size, gc in [m for m in matrix if m[0] == precision]:
+        unet = load_lora_unet(base, precision, device, rank=8, targets=UNET_TARGETS.split(","))
+        for batch_size, gc in itertools.product(batch_sizes, checkpointing):
             ref = reference_run(unet, batch_size, precision, gc, g["steps"], g["warmup"], device)
             results["configs"].append({"batch_size": batch_size, "precision": precision, "gradient_checkpointing": gc,
                                        "peak_tflops": peak, "reference": ref})
+            busy = f", GPU in kernels {100 * ref['gpu_busy_share']:.0f} % of a step" if "gpu_busy_share" in ref else ""
             print(f"reference {precision} batch {batch_size} checkpointing {gc}: {ref['steps_per_second']:.2f} "
                   f"steps/s, {ref['peak_memory_mb'] / 1024:.2f} GiB, {ref['flops_per_step'] / 1e12:.2f} TFLOP a step"
-                  + (f", GPU in kernels {100 * ref['gpu_busy_share']:.0f} % of a step" if "gpu_busy_share" in ref else ""),
-                  flush=True)
+                  f"{busy}", flush=True)
             save()
         del unet
         if device.type == "cuda":
