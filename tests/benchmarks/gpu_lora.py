@@ -70,36 +70,37 @@ def load_lora_unet(base, precision, device, rank, targets):
     from diffusers.training_utils import cast_training_params
     from peft import LoraConfig
 
-    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(precision, torch.float32)
-    unet = UNet2DConditionModel.from_pretrained(base, subfolder="unet", dtype=dtype).requires_grad_(False).to(device)
-    unet.set_attn_processor(AttnProcessor2_0())
+    from train_lora import lora_dtypes
+
+    weight_dtype, lora_dtype = lora_dtypes(precision)
+    unet = UNet2DConditionModel.from_pretrained(base, subfolder="unet", dtype=weight_dtype).requires_grad_(False)
+    unet.to(device).set_attn_processor(AttnProcessor2_0())
     unet.add_adapter(LoraConfig(r=rank, lora_alpha=rank, init_lora_weights="gaussian", target_modules=targets))
-    cast_training_params(unet, dtype=torch.float32)
+    cast_training_params(unet, dtype=lora_dtype)
     return unet.train()
 
 
-def reference_step(unet, batch_size, precision, device):
+def reference_step(unet, scheduler, batch_size, precision, device):
     """-> step(): one optimizer step of the reference loop on random latents and embeddings already on the device."""
     import torch
     import torch.nn.functional as F
-    from diffusers import DDPMScheduler
 
-    scheduler = DDPMScheduler(num_train_timesteps=1000, beta_start=0.00085, beta_end=0.012,
-                              beta_schedule="scaled_linear")
+    from train_lora import lora_dtypes
+
     size, width = unet.config.sample_size, unet.config.cross_attention_dim
     latents = [torch.randn(batch_size, 4, size, size, device=device) for _ in range(4)]
     embeds = torch.randn(batch_size, 77, width, device=device, dtype=unet.dtype)
     params = [p for p in unet.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-4, weight_decay=1e-2, fused=True)
     scaler = torch.amp.GradScaler(device.type) if precision == "fp16" else None
-    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(precision)
+    dtype, autocast = lora_dtypes(precision)[0], precision in ("fp16", "bf16")
     count = itertools.count()
 
     def step():
         clean = latents[next(count) % len(latents)]
         noise = torch.randn_like(clean)
-        t = torch.randint(0, 1000, (batch_size,), device=device)
-        with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
+        t = torch.randint(0, scheduler.config.num_train_timesteps, (batch_size,), device=device)
+        with torch.autocast(device.type, dtype=dtype, enabled=autocast):
             pred = unet(scheduler.add_noise(clean, noise, t), t, embeds, return_dict=False)[0]
         loss = F.mse_loss(pred.float(), noise)
         if scaler:
@@ -125,7 +126,7 @@ def synchronize(device):
         torch.cuda.synchronize(device)
 
 
-def reference_run(unet, batch_size, precision, gradient_checkpointing, steps, warmup, device):
+def reference_run(unet, scheduler, batch_size, precision, gradient_checkpointing, steps, warmup, device):
     import torch
     from torch.utils.flop_counter import FlopCounterMode
 
@@ -138,7 +139,7 @@ def reference_run(unet, batch_size, precision, gradient_checkpointing, steps, wa
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
-    step = reference_step(unet, batch_size, precision, device)
+    step = reference_step(unet, scheduler, batch_size, precision, device)
     for _ in range(warmup):
         step()
     synchronize(device)
@@ -258,7 +259,11 @@ def main():
     os.makedirs(os.path.join(root, "logs"), exist_ok=True)
     env = dict(os.environ, **g["env"])
     env.pop("TQDM_DISABLE", None)  # the progress bar is what the recipe is timed by
+    from diffusers import DDPMScheduler
+
     from train_lora import UNET_TARGETS  # the recipe's default LoRA targets
+
+    scheduler = DDPMScheduler.from_pretrained(base, subfolder="scheduler")  # the base's own noise schedule
 
     results = {"machine": machine_facts(device), "configs": [],
                "settings": {**{k: g[k] for k in ("base", "resolution", "steps", "warmup", "args")},
@@ -273,7 +278,7 @@ def main():
     for precision in precisions:  # the reference loops: one process, the base loaded once per precision
         unet = load_lora_unet(base, precision, device, rank=8, targets=UNET_TARGETS.split(","))
         for batch_size, gc in itertools.product(batch_sizes, checkpointing):
-            ref = reference_run(unet, batch_size, precision, gc, g["steps"], g["warmup"], device)
+            ref = reference_run(unet, scheduler, batch_size, precision, gc, g["steps"], g["warmup"], device)
             results["configs"].append({"batch_size": batch_size, "precision": precision, "gradient_checkpointing": gc,
                                        "peak_tflops": peak, "reference": ref})
             busy = f", GPU in kernels {100 * ref['gpu_busy_share']:.0f} % of a step" if "gpu_busy_share" in ref else ""
