@@ -195,7 +195,7 @@ def main(args):
     # 5. prepare, hooks (checkpoints hold the model in from_pretrained form), then the exact step counts.
     model, optimizer, train_dataloader, eval_dataloader, lr_scheduler = accelerator.prepare(
         model, optimizer, train_dataloader, eval_dataloader, lr_scheduler)
-    register_state_hooks(accelerator, {"model": accelerator.unwrap_model(model)})
+    register_state_hooks(accelerator, {"model": accelerator.unwrap_model(model, keep_torch_compile=False)})
     steps_per_epoch, max_train_steps, num_train_epochs = plan_steps(
         len(train_dataloader), args.gradient_accumulation_steps, args.num_train_epochs, args.max_train_steps)
 
@@ -334,7 +334,7 @@ def save_model(accelerator, model, processor, tokenizer, path):
     """save_pretrained (safetensors) + image processor (+ tokenizer), on the main process."""
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        accelerator.unwrap_model(model).save_pretrained(path)
+        accelerator.unwrap_model(model, keep_torch_compile=False).save_pretrained(path)
         processor.save_pretrained(path)
         if tokenizer is not None:
             tokenizer.save_pretrained(os.path.join(path, "text_model"))

@@ -204,8 +204,8 @@ def main(args):
             ema.load_state_dict(EMAModel.from_pretrained(os.path.join(folder, "unet_ema"), UNet2DModel).state_dict())
             ema.to(accelerator.device)
 
-    register_state_hooks(accelerator, {"unet": accelerator.unwrap_model(unet)}, extra_save=save_extra,
-                         extra_load=load_extra)
+    register_state_hooks(accelerator, {"unet": accelerator.unwrap_model(unet, keep_torch_compile=False)},
+                         extra_save=save_extra, extra_load=load_extra)
     steps_per_epoch, max_train_steps, num_train_epochs = plan_steps(
         len(train_dataloader), args.gradient_accumulation_steps, args.num_train_epochs, args.max_train_steps)
 
@@ -310,7 +310,7 @@ def main(args):
         # 9. Save: a DDPMPipeline folder (EMA weights when --use_ema), labels.json, a model card and the run summary.
         accelerator.wait_for_everyone()
         if accelerator.is_main_process:
-            model = accelerator.unwrap_model(unet)
+            model = accelerator.unwrap_model(unet, keep_torch_compile=False)
             with ema_weights(ema, model):
                 DDPMPipeline(unet=model, scheduler=noise_scheduler).save_pretrained(args.output_dir)
             write_labels(args.output_dir, labels)
@@ -414,7 +414,7 @@ def validation(accelerator, unet, ema, noise_scheduler, args, labels, scorer, sc
 
     metrics = {}
     if accelerator.is_main_process:
-        model = accelerator.unwrap_model(unet)
+        model = accelerator.unwrap_model(unet, keep_torch_compile=False)
         n = args.num_validation_images
         class_ids = torch.arange(len(labels)).repeat_interleave(n) if labels else None
         model.eval()

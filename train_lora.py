@@ -268,7 +268,7 @@ def main(args):
     if args.train_text_encoder:
         text_encoder = models[1]
     info = lora_info(args)
-    lora_models = {name: accelerator.unwrap_model(m) for name, m in zip(trained, models)}
+    lora_models = {name: accelerator.unwrap_model(m, keep_torch_compile=False) for name, m in zip(trained, models)}
     register_state_hooks(accelerator, lora_models, save_fn=save_lora_state,
                          load_fn=lambda model, path: load_lora_state(model, path, lora_dtype),
                          extra_save=lambda folder: save_lora_weights(folder, lora_models, info))
@@ -303,7 +303,8 @@ def main(args):
     group_names = [group["name"] for group in optimizer.param_groups]
     prediction_type = noise_scheduler.config.prediction_type
     validation = dict(args=args, accelerator=accelerator, vae=vae, tokenizer=tokenizer, scheduler=noise_scheduler,
-                      unet=accelerator.unwrap_model(unet), text_encoder=accelerator.unwrap_model(text_encoder))
+                      unet=accelerator.unwrap_model(unet, keep_torch_compile=False),
+                      text_encoder=accelerator.unwrap_model(text_encoder, keep_torch_compile=False))
     try:
         for epoch in range(first_epoch, num_train_epochs):
             for model in models:

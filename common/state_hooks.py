@@ -30,14 +30,18 @@ def _load(model, path):
 
 
 def register_state_hooks(accelerator, named_models, save_fn=_save, load_fn=_load, extra_save=None, extra_load=None):
-    """named_models: {subfolder: model} (the unwrapped models that were passed to `prepare`).
+    """named_models: {subfolder: model} (the models that were passed to `prepare`, unwrapped with
+    keep_torch_compile=False).
 
     save_fn(model, path) / load_fn(model, path) override how a model is written and read (e.g. LoRA weights only).
     extra_save(output_dir) / extra_load(input_dir) handle state that is not a prepared model, such as EMA.
     """
 
+    def unwrap(model):  # without DDP and torch.compile wrappers: the weights' own names, for from_pretrained
+        return accelerator.unwrap_model(model, keep_torch_compile=False)
+
     def folder_of(model):
-        model = accelerator.unwrap_model(model)
+        model = unwrap(model)
         for name, candidate in named_models.items():
             if candidate is model:
                 return name
@@ -52,7 +56,7 @@ def register_state_hooks(accelerator, named_models, save_fn=_save, load_fn=_load
         with torch.random.fork_rng(devices=[]):
             for model in models:
                 if accelerator.is_main_process:
-                    save_fn(accelerator.unwrap_model(model), os.path.join(output_dir, folder_of(model)))
+                    save_fn(unwrap(model), os.path.join(output_dir, folder_of(model)))
                 if weights:
                     weights.pop()  # written above; accelerate must not write it again
             if extra_save is not None and accelerator.is_main_process:
@@ -61,7 +65,7 @@ def register_state_hooks(accelerator, named_models, save_fn=_save, load_fn=_load
     def load_hook(models, input_dir):
         while models:
             model = models.pop()
-            load_fn(accelerator.unwrap_model(model), os.path.join(input_dir, folder_of(model)))
+            load_fn(unwrap(model), os.path.join(input_dir, folder_of(model)))
         if extra_load is not None:
             extra_load(input_dir)
 

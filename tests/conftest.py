@@ -22,16 +22,17 @@ def offline_env(**extra):
     return env
 
 
-def launch_command(script, *args, config="cpu.yaml", cwd=ROOT):
+def launch_command(script, *args, config="cpu.yaml", cwd=ROOT, launch_args=()):
     script = Path(script)
     script = script if script.is_absolute() else Path(cwd) / script
     return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS / config),
-            "--num_cpu_threads_per_process", "1", str(script), *map(str, args)]
+            "--num_cpu_threads_per_process", "1", *launch_args, str(script), *map(str, args)]
 
 
-def launch(script, *args, config="cpu.yaml", cwd=ROOT, env=None, timeout=900, check=True):
-    """`accelerate launch --config_file accelerate_configs/<config> <script> <args>`; returns CompletedProcess."""
-    cmd = launch_command(script, *args, config=config, cwd=cwd)
+def launch(script, *args, config="cpu.yaml", cwd=ROOT, env=None, timeout=900, check=True, launch_args=()):
+    """`accelerate launch --config_file accelerate_configs/<config> [launch_args] <script> <args>`; returns
+    CompletedProcess."""
+    cmd = launch_command(script, *args, config=config, cwd=cwd, launch_args=launch_args)
     proc = subprocess.run(cmd, cwd=cwd, env=env or offline_env(), capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
