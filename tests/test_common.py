@@ -1,5 +1,6 @@
 """Unit tests of the common/ helpers (no subprocess, no accelerate launch)."""
 import glob
+import itertools
 import json
 import os
 from argparse import Namespace
@@ -92,10 +93,13 @@ def test_batches_equal_the_collated_items(tmp_path):
     from common.latent_cache import CachedLatents
 
     rng = np.random.default_rng(0)
-    for size, flip in ((16, False), (16, True), (24, False), (24, True)):
-        paths = [str(tmp_path / f"{size}-{i}.png") for i in range(6)]
-        for path in paths:
-            Image.fromarray(rng.integers(0, 256, (size, size, 3), dtype=np.uint8)).save(path)
+    # (height, width): square, larger (resized to 16 x 16), one size wider than high (crops of a 16 x 24), and sizes
+    # that differ (the per-image path of __getitems__)
+    for size, flip in itertools.product(((16, 16), (24, 24), (20, 30), "mixed"), (False, True)):
+        paths = [str(tmp_path / f"{size}-{flip}-{i}.png") for i in range(6)]
+        for i, path in enumerate(paths):
+            h, w = size if size != "mixed" else (16 + 8 * (i % 2), 16 + 4 * (i % 3))
+            Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(path)
         ds = datasets.Dataset.from_dict({"image": paths}).cast_column("image", datasets.Image())
         columns = {"label": torch.arange(6) * 10, "caption": [f"c{i}" for i in range(6)]}
         data = ImageDataset(ds, "image", 16, center_crop=False, random_flip=flip, columns=columns, seed=3)
@@ -105,7 +109,7 @@ def test_batches_equal_the_collated_items(tmp_path):
         for epoch in (0, 1):
             for dataset in (data, cached, center):
                 dataset.set_epoch(epoch)
-            for dataset in (data, cached):
+            for dataset in (data, cached, center):
                 expected = torch.utils.data.default_collate([dataset[i] for i in indices])
                 batch = collate_batch(dataset.__getitems__(indices))
                 assert batch.keys() == expected.keys()
