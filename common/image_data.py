@@ -165,6 +165,14 @@ class ImageDataset(torch.utils.data.Dataset):
             top, left = bits % (h - r + 1), (bits >> 24) % (w - r + 1)
         return top, left, bool(self.random_flip and bits >> 63)
 
+    def fixed_crop(self, h, w):
+        """(top, left) of every h x w image when nothing is drawn (no flips; the center crop, or all of an R x R
+        image), else None: then each item's crop and flip come from `augmentation`."""
+        r = self.resolution
+        if self.random_flip or not (self.center_crop or h == w == r):
+            return None
+        return (h - r) // 2, (w - r) // 2
+
     def __len__(self):
         return len(self.images)
 
@@ -173,9 +181,8 @@ class ImageDataset(torch.utils.data.Dataset):
         pixels = self.cache[index] if self.cache is not None else self._decode(index)
         r = self.resolution
         _, h, w = pixels.shape
-        if h == w == r and not self.random_flip:  # nothing to draw: any crop of an R x R image is all of it
-            return pixels
-        top, left, flip = self.augmentation(index, h, w)
+        fixed = self.fixed_crop(h, w)
+        top, left, flip = (*fixed, False) if fixed else self.augmentation(index, h, w)
         pixels = pixels[:, top:top + r, left:left + r]
         return pixels.flip(-1) if flip else pixels
 
@@ -200,10 +207,9 @@ class ImageDataset(torch.utils.data.Dataset):
         classifier demo)."""
         index = torch.as_tensor(indices)
         r = self.resolution
-        if (isinstance(self.cache, torch.Tensor) and not self.random_flip
-                and (self.center_crop or self.cache.shape[-2:] == (r, r))):
-            _, _, h, w = self.cache.shape
-            top, left = (h - r) // 2, (w - r) // 2  # the center crop; all of it for an R x R image
+        fixed = self.fixed_crop(*self.cache.shape[-2:]) if isinstance(self.cache, torch.Tensor) else None
+        if fixed:
+            top, left = fixed
             pixels = self.cache.index_select(0, index)[:, :, top:top + r, left:left + r]
         else:
             pixels = torch.stack([self.crop(i) for i in indices])

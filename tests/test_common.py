@@ -14,7 +14,7 @@ from common.accelerate_config import check as check_accelerate_config
 from common.checkpoints import list_checkpoints, resolve_resume, save_checkpoint
 from common.cli import UserError
 from common.image_data import (ImageDataset, collate_batch, label_names, load_image_dataset, require_columns,
-                               to_rgb)
+                               resize_shorter_side, to_rgb)
 from common.param_groups import build_param_groups, parse_lr_groups
 from common.trackers import sanitize_config
 from common.training_steps import plan_steps, resume_position
@@ -117,6 +117,14 @@ def test_batches_equal_the_collated_items(tmp_path):
                     assert value == batch[key] if isinstance(value, list) else torch.equal(value, batch[key]), key
             encoded = torch.stack([center[i]["pixel_values"][:2] * 2 for i in indices])  # this epoch's flips
             assert torch.equal(cached.__getitems__(indices)["latent_params"], encoded)
+            # the center crop, worked out here from the file
+            for i, got in zip(indices, center.__getitems__(indices)["pixel_values"]):
+                image = resize_shorter_side(Image.open(paths[i]), 16)
+                top, left = (image.shape[1] - 16) // 2, (image.shape[2] - 16) // 2
+                crop = image[:, top:top + 16, left:left + 16].float() / 127.5 - 1
+                assert torch.allclose(got, crop, atol=1e-6) or (flip and torch.allclose(got, crop.flip(-1), atol=1e-6))
+        if size == (20, 30) and not flip:  # random crops of 16 x 24 images: not all of them the center one
+            assert any(not torch.equal(data[i]["pixel_values"], center[i]["pixel_values"]) for i in range(6))
 
 
 def test_macro_f1_matches_sklearn():
