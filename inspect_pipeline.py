@@ -26,6 +26,7 @@ import re
 
 from common.args import check_writable, make_parser, non_negative_int, positive_int
 from common.cli import UserError, run
+from common.diffusion import DEFAULT_GUIDANCE_SCALE
 from common.sd_pipeline import LORA_WEIGHTS, TINY_HINT, check_safetensors, read_lora_info
 # common.call_recorder, the pipelines and torch are imported in main(): --help and flag errors answer at once.
 
@@ -47,13 +48,15 @@ def parse_args(argv=None):
     g.add_argument("--prompt", default="a handwritten digit seven")
     g.add_argument("--num_inference_steps", type=positive_int, default=10)
     g.add_argument("--guidance_scale", type=float, default=None,
-                   help="Default: 7.5 for Stable Diffusion (its own default), 1 for DDPM (sample.py's).")
+                   help=f"Default: 7.5 for Stable Diffusion (its own default), {DEFAULT_GUIDANCE_SCALE} for a "
+                        "class-conditional DDPM (sample.py's).")
     g.add_argument("--num_images", type=positive_int, default=1, help="Batch size B (num_images_per_prompt).")
     g.add_argument("--class_label", default=None, help="Class-conditional DDPM: class name or id (default: id 0).")
     g.add_argument("--seed", type=non_negative_int, default=0)
     g.add_argument("--save_trajectory", metavar="FILE.png", default=None,
                    help="Implies --trace: x0 predicted at --trajectory_steps steps, decoded, in one row.")
-    g.add_argument("--trajectory_steps", type=positive_int, default=5, help="Panels in the trajectory picture.")
+    g.add_argument("--trajectory_steps", type=positive_int, default=None,
+                   help="Panels in the trajectory picture (default: 5, or every step when there are fewer).")
     args = parser.parse_args(argv)
     check_args(args)
     return args
@@ -95,7 +98,9 @@ def check_args(args):
         if not args.save_trajectory.lower().endswith(".png"):
             raise UserError(f"--save_trajectory '{args.save_trajectory}': give a .png file name")
         check_writable(os.path.dirname(args.save_trajectory) or ".", "--save_trajectory", args.save_trajectory)
-        if args.trajectory_steps > args.num_inference_steps:
+        if args.trajectory_steps is None:
+            args.trajectory_steps = min(5, args.num_inference_steps)
+        elif args.trajectory_steps > args.num_inference_steps:
             raise UserError(f"--trajectory_steps {args.trajectory_steps} is more than --num_inference_steps "
                             f"{args.num_inference_steps}")
 
@@ -138,7 +143,6 @@ def module_row(name, component):
     if isinstance(component, torch.nn.Module):
         params = list(component.parameters())
         row.update(parameters=sum(p.numel() for p in params),
-                   trainable=sum(p.numel() for p in params if p.requires_grad),
                    dtype=",".join(sorted({str(p.dtype).replace("torch.", "") for p in params})),
                    device=",".join(sorted({str(p.device) for p in params})),
                    size_mb=round(sum(t.numel() * t.element_size() for t in [*params, *component.buffers()]) / 1e6, 3))
@@ -381,7 +385,7 @@ def trace_ddpm(pipe, args, rec, generator, steps_kept, labels):
     """DDPMPipeline has no callbacks: forward hooks on its unet and a wrapped scheduler.step record what runs."""
     import torch
 
-    from common.ddpm_sampling import DEFAULT_GUIDANCE_SCALE, sample_images, to_pil
+    from common.diffusion import sample_images, to_pil
 
     watch_denoiser(rec, pipe.unet, pipe.scheduler, steps_kept)
     hooks = "recorded by forward hooks on unet and a wrapped scheduler.step"
@@ -403,7 +407,7 @@ def trace_ddpm(pipe, args, rec, generator, steps_kept, labels):
     result = sample_images(pipe.unet, pipe.scheduler, args.num_images, generator=generator,
                            class_labels=torch.full((args.num_images,), class_id), null_class=num_classes,
                            guidance_scale=guidance, num_inference_steps=args.num_inference_steps)
-    return (f"common.ddpm_sampling.sample_images (sample.py's loop: DDPMPipeline.__call__ takes no class labels) with "
+    return (f"common.diffusion.sample_images (sample.py's loop: DDPMPipeline.__call__ takes no class labels) with "
             f"the pipeline's scheduler, class '{names[class_id]}' (id {class_id}), guidance {guidance}, null class "
             f"id {num_classes}; {hooks}"), to_pil(result)
 
@@ -413,7 +417,7 @@ def trace(pipe, args, labels, device):
     import torch
 
     from common.call_recorder import CallRecorder
-    from common.ddpm_sampling import to_pil
+    from common.diffusion import to_pil
 
     sd = getattr(pipe, "vae", None) is not None and hasattr(pipe, "text_encoder")
     if not sd and type(pipe).__name__ != "DDPMPipeline":
@@ -464,11 +468,11 @@ def print_section(title, entries, skip=("class", "component")):
 
 def print_report(r):
     print(f"{r['model']}: {r['pipeline']}" + "".join(f"\n  ({note})" for note in r["notes"]))
-    print(f"\ncomponents\n  {'name':<18}{'class':<28}{'parameters':>12}{'trainable':>12}  {'dtype':<9}{'device':<8}"
+    print(f"\ncomponents\n  {'name':<18}{'class':<28}{'parameters':>12}  {'dtype':<9}{'device':<8}"
           f"{'MB':>9}")
     for c in r["components"]:
         print(f"  {c['name']:<18}{c['class'] or '-':<28}" + (
-            f"{c['parameters']:>12,}{c['trainable']:>12,}  {c['dtype']:<9}{c['device']:<8}{c['size_mb']:>9.3f}"
+            f"{c['parameters']:>12,}  {c['dtype']:<9}{c['device']:<8}{c['size_mb']:>9.3f}"
             if "parameters" in c else "").rstrip())
     print(f"  {'total':<46}{sum(c.get('parameters', 0) for c in r['components']):>12,}")
     print_section(f"scheduler: {r['scheduler']['class']}", r["scheduler"])
@@ -517,7 +521,7 @@ def main(args):
     from diffusers.utils import logging as diffusers_logging
     from PIL.PngImagePlugin import PngInfo
 
-    from common.ddpm_sampling import image_grid
+    from common.diffusion import image_grid
 
     # diffusers logs what we report in one line (a LoRA that does not fit, an offline hub) at length, and warns that
     # unet_ema/config.json holds the EMA's settings: errors reach the user through UserError instead.

@@ -15,8 +15,7 @@ import os
 
 from common.args import check_writable, make_parser, non_negative_int, positive_float, positive_int
 from common.cli import UserError, run
-
-SCHEDULERS = ["ddpm", "ddim", "dpm", "euler", "euler_a", "pndm", "unipc"]
+from common.diffusion import DEFAULT_SCHEDULER, SCHEDULER_CLASSES, SD_SCHEDULER
 
 
 def parse_args(argv=None):
@@ -26,8 +25,10 @@ def parse_args(argv=None):
     parser.add_argument("--num_images", type=positive_int, default=8, help="Images per label or prompt.")
     parser.add_argument("--batch_size", type=positive_int, default=16)
     parser.add_argument("--seed", type=non_negative_int, default=0)
-    parser.add_argument("--scheduler", default=None, choices=SCHEDULERS,
-                        help="Default: the model's own; ddim for train_ddpm.py outputs.")
+    parser.add_argument("--scheduler", default=None, choices=sorted(SCHEDULER_CLASSES),
+                        help=f"Default: {DEFAULT_SCHEDULER} for train_ddpm.py outputs, {SD_SCHEDULER} (DPM-Solver++) for "
+                             "Stable Diffusion; built with the noise schedule and prediction type the model was "
+                             "trained with.")
     parser.add_argument("--num_inference_steps", type=positive_int, default=None)
     parser.add_argument("--guidance_scale", type=positive_float, default=None)
     parser.add_argument("--device", default=None, help="Default: cuda when available, else cpu.")
@@ -36,7 +37,8 @@ def parse_args(argv=None):
     # DDPM outputs (train_ddpm.py)
     parser.add_argument("--class_label", action="append", default=None,
                         help="Class name or id (repeatable), or 'all' for a row per class.")
-    parser.add_argument("--no_ema", action="store_true", help="Use the raw weights of a checkpoint, not its EMA.")
+    parser.add_argument("--no_ema", action="store_true",
+                        help="Use the raw weights of a checkpoint, not its EMA (a final output holds only one set).")
     # Stable Diffusion (train_lora.py outputs, hub pipelines)
     parser.add_argument("--prompt", action="append", default=None, help="Repeatable.")
     parser.add_argument("--negative_prompt", default=None)
@@ -98,7 +100,11 @@ def sample_ddpm(args):
     if args.prompt or args.lora:
         raise UserError(f"--prompt/--lora are for Stable Diffusion; '{args.model}' is a train_ddpm.py model "
                         "(use --class_label)")
-    ema = not args.no_ema and os.path.isdir(os.path.join(args.model, "unet_ema"))
+    has_ema = os.path.isdir(os.path.join(args.model, "unet_ema"))
+    if args.no_ema and not has_ema:  # a final output's unet/ holds the EMA weights when it was trained with --use_ema
+        raise UserError(f"--no_ema: '{args.model}' holds one set of weights (unet/, the EMA ones when it was trained "
+                        "with --use_ema); the raw weights are in its checkpoint-N folders")
+    ema = has_ema and not args.no_ema
     unet_dir = os.path.join(args.model, "unet_ema" if ema else "unet")
     for required in (os.path.join(unet_dir, "config.json"), os.path.join(args.model, "scheduler")):
         if not os.path.exists(required):
@@ -133,15 +139,15 @@ def sample_ddpm(args):
     from diffusers import DDPMScheduler, UNet2DModel
     from diffusers.utils import logging as diffusers_logging
 
-    from common.ddpm_sampling import (DEFAULT_GUIDANCE_SCALE, DEFAULT_INFERENCE_STEPS, DEFAULT_SCHEDULER,
-                                      make_scheduler, sample_images, to_pil)
+    from common.diffusion import (DEFAULT_GUIDANCE_SCALE, DEFAULT_INFERENCE_STEPS, sample_images, sampling_scheduler,
+                                  to_pil)
 
     device, dtype = choose_device_and_dtype(args)
     verbosity = diffusers_logging.get_verbosity()
     diffusers_logging.set_verbosity_error()  # unet_ema/config.json also holds the EMA's decay settings: not a problem
     try:
         unet = UNet2DModel.from_pretrained(unet_dir, torch_dtype=dtype).to(device).eval()
-        scheduler_config = DDPMScheduler.load_config(os.path.join(args.model, "scheduler"))
+        training_scheduler = DDPMScheduler.from_pretrained(os.path.join(args.model, "scheduler"))
     except (OSError, ValueError) as err:
         raise UserError(f"--model '{args.model}': cannot load its UNet or scheduler: "
                         f"{str(err).splitlines()[0]}") from None
@@ -153,9 +159,10 @@ def sample_ddpm(args):
     steps = args.num_inference_steps or DEFAULT_INFERENCE_STEPS
     guidance = args.guidance_scale if args.guidance_scale is not None else DEFAULT_GUIDANCE_SCALE
     count = len(class_ids) if ids else args.num_images
-    images = sample_images(unet, make_scheduler(scheduler_name, scheduler_config), count, class_labels=class_ids,
-                           null_class=num_classes, guidance_scale=guidance, num_inference_steps=steps,
-                           batch_size=args.batch_size, generator=torch.Generator().manual_seed(args.seed))
+    scheduler = sampling_scheduler(scheduler_name, training_scheduler.config)
+    images = sample_images(unet, scheduler, count, class_labels=class_ids, null_class=num_classes,
+                           guidance_scale=guidance, num_inference_steps=steps, batch_size=args.batch_size,
+                           generator=torch.Generator().manual_seed(args.seed))
     common = {"model": args.model, "weights": "ema" if ema else "raw", "seed": args.seed,
               "scheduler": scheduler_name, "num_inference_steps": steps}
     params = []
@@ -200,7 +207,7 @@ def sample_sd(args):
     from diffusers.utils import logging as diffusers_logging
     from transformers.utils import logging as transformers_logging
 
-    from common.ddpm_sampling import make_scheduler
+    from common.diffusion import sampling_scheduler
 
     device, dtype = choose_device_and_dtype(args)
     base_version = {"revision": info.get("revision"), "variant": info.get("variant")} if info else {}
@@ -211,8 +218,7 @@ def sample_sd(args):
         raise load_error("--model", base, err) from None
     if info and info.get("prediction_type"):  # the LoRA was trained to predict something else than its base
         pipe.scheduler.register_to_config(prediction_type=info["prediction_type"])
-    if args.scheduler:
-        pipe.scheduler = make_scheduler(args.scheduler, pipe.scheduler.config)
+    pipe.scheduler = sampling_scheduler(args.scheduler or SD_SCHEDULER, pipe.scheduler.config)
     names = [f"lora{i}" for i in range(len(loras))]
     verbosity = diffusers_logging.get_verbosity(), transformers_logging.get_verbosity()
     diffusers_logging.set_verbosity(diffusers_logging.CRITICAL)  # it logs the error below in full as well
@@ -243,7 +249,7 @@ def sample_sd(args):
     guidance = args.guidance_scale if args.guidance_scale is not None else 7.5
     jobs = [(prompt, j) for prompt in args.prompt for j in range(args.num_images)]
     common = {"model": args.model, "base_model": base, "lora": ",".join(f"{p}:{s:g}" for p, s in loras),
-              "scheduler": args.scheduler or type(pipe.scheduler).__name__, "num_inference_steps": steps,
+              "scheduler": args.scheduler or SD_SCHEDULER, "num_inference_steps": steps,
               "guidance_scale": guidance, "guidance_rescale": args.guidance_rescale, "clip_skip": args.clip_skip,
               "negative_prompt": args.negative_prompt or ""}
     images, params = [], []

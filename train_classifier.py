@@ -206,6 +206,10 @@ def main(args):
     logger.info(f"{len(train_data)} training images, {len(labels)} classes, {accelerator.num_processes} process(es), "
                 f"batch {total_batch_size}, {max_train_steps} optimizer steps over {num_train_epochs} epochs")
 
+    # From here on each process draws its own noise, timesteps and dropout (the models above were initialised alike
+    # on every process); resuming restores every process's generators.
+    set_seed(args.seed, device_specific=True)
+
     # 6. Resume: state, then the position in the epoch (the batches already seen are skipped, not replayed).
     global_step, first_epoch, skip_batches = 0, 0, 0
     resume_path = resolve_resume(args.resume_from_checkpoint, args.output_dir)

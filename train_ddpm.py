@@ -28,9 +28,9 @@ import time
 
 from common.args import (add_checkpoint_args, add_data_args, add_logging_args, add_training_args, check_common_args,
                          make_parser, positive_float, positive_int, probability)
+from common.checkpoints import resolve_resume
 from common.cli import UserError, run
-from common.ddpm_sampling import (DEFAULT_GUIDANCE_SCALE, DEFAULT_INFERENCE_STEPS, DEFAULT_SCHEDULER,
-                                  SCHEDULER_CLASSES)
+from common.diffusion import DEFAULT_GUIDANCE_SCALE, DEFAULT_INFERENCE_STEPS, DEFAULT_SCHEDULER, SCHEDULER_CLASSES
 from common.unet_config import channel_list, check_unet_shape, pretrained_unet_config, unet_config_source
 
 
@@ -95,18 +95,44 @@ def parse_args(argv=None):
         config, source = unet_config_source(args)
     if config is not None:
         check_unet_shape(config, args.resolution, source)
+    resume_path = resolve_resume(args.resume_from_checkpoint, args.output_dir)
+    if resume_path:
+        check_resumed_ema(args, resume_path)
     return args
+
+
+EMA_FLAGS = {"decay": "ema_max_decay", "inv_gamma": "ema_inv_gamma", "power": "ema_power"}
+
+
+def check_resumed_ema(args, checkpoint):
+    """A resumed EMA takes its settings from the checkpoint (EMAModel.load_state_dict), whatever the flags say:
+    refuse flags that differ, and an EMA that would be dropped or missing, before anything loads."""
+    config_file = os.path.join(checkpoint, "unet_ema", "config.json")
+    if not os.path.isfile(config_file):
+        if args.use_ema:
+            raise UserError(f"--use_ema: checkpoint '{checkpoint}' has no unet_ema/ (it was trained without "
+                            "--use_ema); resume without --use_ema, or train into a new --output_dir")
+        return
+    if not args.use_ema:
+        raise UserError(f"--resume_from_checkpoint: '{checkpoint}' holds an EMA of the weights (trained with "
+                        "--use_ema); resume with --use_ema and the same EMA settings")
+    with open(config_file) as f:
+        saved = json.load(f)
+    diffs = [f"--{flag} {saved[key]:g} (now {getattr(args, flag):g})" for key, flag in EMA_FLAGS.items()
+             if key in saved and not math.isclose(saved[key], getattr(args, flag))]
+    if diffs:
+        raise UserError(f"--resume_from_checkpoint: '{checkpoint}' was trained with {', '.join(diffs)}; resume with "
+                        "the same EMA settings, or train into a new --output_dir")
 
 
 def main(args):
     import torch
-    import torch.nn.functional as F
     from accelerate import Accelerator
     from accelerate.logging import get_logger
     from accelerate.utils import DataLoaderConfiguration, ProjectConfiguration, set_seed
     from tqdm.auto import tqdm
 
-    from common.checkpoints import checkpoint_step, load_checkpoint, resolve_resume, save_checkpoint
+    from common.checkpoints import checkpoint_step, load_checkpoint, save_checkpoint
     from common.classifier_metrics import ClassifierScorer
     from common.image_data import ImageDataset, collate_batch, label_names, load_image_dataset, require_columns
     from common.lr_schedulers import build_lr_scheduler
@@ -154,7 +180,9 @@ def main(args):
 
     # 3. Model: a UNet2DModel from a config, from a pretrained UNet/pipeline, or the small default; the noise schedule.
     from diffusers import DDPMPipeline, DDPMScheduler, UNet2DModel  # here: a data mistake is reported seconds sooner
-    from diffusers.training_utils import EMAModel, compute_snr
+    from diffusers.training_utils import EMAModel
+
+    from common.diffusion import diffusion_loss, diffusion_target
 
     unet = build_unet(args, UNet2DModel, null_class + 1 if labels else None)
     noise_scheduler = DDPMScheduler(num_train_timesteps=args.ddpm_num_steps, beta_start=args.ddpm_beta_start,
@@ -197,10 +225,8 @@ def main(args):
         noise_scheduler.save_pretrained(os.path.join(folder, "scheduler"))
         write_labels(folder, labels)
 
-    def load_extra(folder):
+    def load_extra(folder):  # (parse_args checked that the checkpoint's EMA matches the flags)
         if ema is not None:
-            if not os.path.isdir(os.path.join(folder, "unet_ema")):
-                raise UserError(f"--use_ema: checkpoint '{folder}' has no unet_ema/ (saved without --use_ema)")
             ema.load_state_dict(EMAModel.from_pretrained(os.path.join(folder, "unet_ema"), UNet2DModel).state_dict())
             ema.to(accelerator.device)
 
@@ -217,6 +243,10 @@ def main(args):
                 f"{sum(p.numel() for p in unet.parameters()) / 1e6:.2f} M parameters, "
                 f"{accelerator.num_processes} process(es), batch {total_batch_size}, "
                 f"{max_train_steps} optimizer steps over {num_train_epochs} epochs")
+
+    # From here on each process draws its own noise, timesteps and dropout (the models above were initialised alike
+    # on every process); resuming restores every process's generators.
+    set_seed(args.seed, device_specific=True)
 
     # 6. Resume: state (EMA included), then the position in the epoch (seen batches are skipped, not replayed).
     global_step, first_epoch, skip_batches = 0, 0, 0
@@ -256,17 +286,8 @@ def main(args):
                     class_labels = (drop_class_labels(batch["class_labels"], null_class, args.class_dropout_prob)
                                     if labels else None)
                     prediction = unet(noisy, timesteps, class_labels=class_labels).sample
-                    if args.prediction_type == "epsilon":
-                        target = noise
-                    elif args.prediction_type == "v_prediction":
-                        target = noise_scheduler.get_velocity(clean, noise, timesteps)
-                    else:
-                        target = clean
-                    loss = F.mse_loss(prediction.float(), target.float(), reduction="none").mean(dim=(1, 2, 3))
-                    if args.snr_gamma:
-                        loss = loss * min_snr_weights(compute_snr(noise_scheduler, timesteps), args.snr_gamma,
-                                                      args.prediction_type)
-                    loss = loss.mean()
+                    target = diffusion_target(noise_scheduler, clean, noise, timesteps)
+                    loss = diffusion_loss(prediction, target, noise_scheduler, timesteps, args.snr_gamma)
                     accelerator.backward(loss)
                     loss_sum += loss.detach() / args.gradient_accumulation_steps
                     if accelerator.sync_gradients:  # NaN/inf: stop before the update, or skip it (a flag)
@@ -378,17 +399,6 @@ def drop_class_labels(class_labels, null_class, prob):
     return class_labels.masked_fill(drop, null_class)
 
 
-def min_snr_weights(snr, gamma, prediction_type):
-    """Min-SNR-gamma (Hang et al., 2023) per-sample loss weights, expressed for the chosen target."""
-    import torch
-
-    clipped = snr.clamp(max=gamma)
-    if prediction_type == "sample":
-        return clipped
-    weights = clipped / (snr + 1) if prediction_type == "v_prediction" else clipped / snr
-    return torch.where(snr > 0, weights, torch.ones_like(weights))  # zero terminal SNR: plain MSE there
-
-
 @contextlib.contextmanager
 def ema_weights(ema, model):
     """Inside: the model holds the EMA weights (when there is an EMA); after: its training weights again."""
@@ -409,7 +419,7 @@ def validation(accelerator, unet, ema, noise_scheduler, args, labels, scorer, sc
     import torch
 
     from common.classifier_metrics import frechet_distance
-    from common.ddpm_sampling import image_grid, make_scheduler, sample_images, to_pil
+    from common.diffusion import image_grid, sample_images, sampling_scheduler, to_pil
     from common.trackers import log_image
 
     metrics = {}
@@ -419,7 +429,7 @@ def validation(accelerator, unet, ema, noise_scheduler, args, labels, scorer, sc
         class_ids = torch.arange(len(labels)).repeat_interleave(n) if labels else None
         model.eval()
         with ema_weights(ema, model):
-            images = sample_images(model, make_scheduler(args.validation_scheduler, noise_scheduler.config),
+            images = sample_images(model, sampling_scheduler(args.validation_scheduler, noise_scheduler.config),
                                    n * max(len(labels), 1), class_labels=class_ids, null_class=len(labels),
                                    guidance_scale=args.guidance_scale, batch_size=args.eval_batch_size,
                                    num_inference_steps=args.validation_inference_steps,

@@ -29,6 +29,7 @@ from common.args import (add_checkpoint_args, add_data_args, add_logging_args, a
                          make_parser, positive_float, positive_int, probability)
 from common.checkpoints import read_checkpoint_info, resolve_resume
 from common.cli import UserError, run
+from common.diffusion import SCHEDULER_CLASSES, SD_SCHEDULER
 from common.sd_pipeline import check_local_resolution, check_sd_pipeline
 
 TINY_SD = "models/tiny-sd"
@@ -76,6 +77,8 @@ def parse_args(argv=None):
     g.add_argument("--validation_prompt", action="append", default=[], help="Repeatable.")
     g.add_argument("--num_validation_images", type=positive_int, default=2, help="Images per prompt.")
     g.add_argument("--validation_steps", type=positive_int, default=100, help="Every N optimizer steps, and at the end.")
+    g.add_argument("--validation_scheduler", default=SD_SCHEDULER, choices=sorted(SCHEDULER_CLASSES),
+                   help="Sampler of the validation images (sample.py's default too).")
     g.add_argument("--validation_inference_steps", type=positive_int, default=20)
     g.add_argument("--validation_guidance_scale", type=float, default=7.5)
     add_training_args(parser, output_dir="outputs/lora", learning_rate=2e-3, train_batch_size=32, num_train_epochs=5,
@@ -118,13 +121,13 @@ def main(args):
     import random
 
     import torch
-    import torch.nn.functional as F
     from accelerate import Accelerator
     from accelerate.logging import get_logger
     from accelerate.utils import DataLoaderConfiguration, ProjectConfiguration, set_seed
     from tqdm.auto import tqdm
 
     from common.checkpoints import checkpoint_step, load_checkpoint, save_checkpoint
+    from common.diffusion import diffusion_loss, diffusion_target
     from common.image_data import ImageDataset, collate_batch, load_image_dataset, require_columns
     from common.latent_cache import CachedLatents
     from common.lora_weights import load_lora_state, save_lora_state, save_lora_weights
@@ -182,7 +185,7 @@ def main(args):
     from diffusers import AutoencoderKL, DDPMScheduler, UNet2DConditionModel
     from diffusers.models.attention_processor import AttnProcessor2_0
     from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
-    from diffusers.training_utils import cast_training_params, compute_snr
+    from diffusers.training_utils import cast_training_params
     from peft import LoraConfig
     from transformers import CLIPTextModel, CLIPTokenizer
 
@@ -284,6 +287,10 @@ def main(args):
                 f"{accelerator.num_processes} process(es), batch {total_batch_size}, "
                 f"{max_train_steps} optimizer steps over {num_train_epochs} epochs")
 
+    # From here on each process draws its own noise, timesteps and dropout (the models above were initialised alike
+    # on every process); resuming restores every process's generators.
+    set_seed(args.seed, device_specific=True)
+
     # 6. Resume: state (the load hook sets the adapters), then the position in the epoch.
     global_step, first_epoch, skip_batches = 0, 0, 0
     resume_path = resolve_resume(args.resume_from_checkpoint, args.output_dir)
@@ -301,7 +308,6 @@ def main(args):
     loss_sum, last_loss, images = torch.zeros((), device=accelerator.device), None, []
     skipped_steps = 0
     group_names = [group["name"] for group in optimizer.param_groups]
-    prediction_type = noise_scheduler.config.prediction_type
     validation = dict(args=args, accelerator=accelerator, vae=vae, tokenizer=tokenizer, scheduler=noise_scheduler,
                       unet=accelerator.unwrap_model(unet, keep_torch_compile=False),
                       text_encoder=accelerator.unwrap_model(text_encoder, keep_torch_compile=False))
@@ -329,20 +335,9 @@ def main(args):
                         encoder_hidden_states = prompt_embeds[prompt_index].to(accelerator.device)
                     else:
                         encoder_hidden_states = text_encoder(input_ids[prompt_index].to(accelerator.device))[0]
-                    if prediction_type == "epsilon":
-                        target = noise
-                    elif prediction_type == "v_prediction":
-                        target = noise_scheduler.get_velocity(latents, noise, timesteps)
-                    else:
-                        target = latents
+                    target = diffusion_target(noise_scheduler, latents, noise, timesteps)
                     model_pred = unet(noisy_latents, timesteps, encoder_hidden_states, return_dict=False)[0]
-                    loss = F.mse_loss(model_pred.float(), target.float(), reduction="none").mean(dim=(1, 2, 3))
-                    if args.snr_gamma is not None:  # min-SNR-gamma: easy (low-noise) timesteps weigh less
-                        snr = compute_snr(noise_scheduler, timesteps)
-                        weight = snr.clamp(max=args.snr_gamma)
-                        loss = loss * (weight / snr if prediction_type == "epsilon"
-                                       else weight / (snr + 1) if prediction_type == "v_prediction" else weight)
-                    loss = loss.mean()
+                    loss = diffusion_loss(model_pred, target, noise_scheduler, timesteps, args.snr_gamma)
                     accelerator.backward(loss)
                     loss_sum += loss.detach() / args.gradient_accumulation_steps
                     if accelerator.sync_gradients:  # NaN/inf: stop before the update, or skip it (a flag)
@@ -452,16 +447,17 @@ def validate(args, accelerator, vae, tokenizer, scheduler, unet, text_encoder, s
     """Images of the validation prompts from the current LoRA (main process; the others wait), saved under
     samples/step-N/ and logged to the trackers (a row per prompt). The VAE decodes in fp32, outside autocast."""
     import torch
-    from diffusers import DPMSolverMultistepScheduler, StableDiffusionPipeline
+    from diffusers import StableDiffusionPipeline
     from PIL import Image
 
+    from common.diffusion import sampling_scheduler
     from common.sd_pipeline import decode_fp32
     from common.trackers import log_image
 
     paths = []
     if accelerator.is_main_process:
         pipe = StableDiffusionPipeline(vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, unet=unet,
-                                       scheduler=DPMSolverMultistepScheduler.from_config(scheduler.config),
+                                       scheduler=sampling_scheduler(args.validation_scheduler, scheduler.config),
                                        safety_checker=None, feature_extractor=None, requires_safety_checker=False)
         pipe.set_progress_bar_config(disable=True)
         unet.eval()

@@ -135,7 +135,7 @@ def test_sample_py_is_deterministic_and_records_its_parameters(trained, tmp_path
 def test_guidance_one_is_plain_conditional_sampling_and_guidance_combines_both():
     from diffusers import DDIMScheduler, UNet2DModel
 
-    from common.ddpm_sampling import sample_images
+    from common.diffusion import sample_images
 
     torch.manual_seed(0)
     unet = UNet2DModel(sample_size=8, block_out_channels=(8, 16), down_block_types=("DownBlock2D", "DownBlock2D"),
@@ -185,12 +185,49 @@ def test_frechet_distance():
 
 
 def test_min_snr_weights():
-    from train_ddpm import min_snr_weights
+    from common.diffusion import min_snr_weights
 
     snr = torch.tensor([0.5, 5.0, 50.0])
     torch.testing.assert_close(min_snr_weights(snr, 5.0, "epsilon"), torch.tensor([1.0, 1.0, 0.1]))
     torch.testing.assert_close(min_snr_weights(snr, 5.0, "v_prediction"), torch.tensor([0.5 / 1.5, 5 / 6, 5 / 51]))
     torch.testing.assert_close(min_snr_weights(snr, 5.0, "sample"), torch.tensor([0.5, 5.0, 5.0]))
+
+
+def test_resuming_an_ema_with_other_settings_is_refused(trained, digits, tmp_path):
+    """Pins: EMAModel.load_state_dict took decay, inv_gamma and power from the checkpoint whatever the flags said."""
+    out = tmp_path / "run"
+    shutil.copytree(trained / "checkpoint-4", out / "checkpoint-4")
+    base = ["--train_data_dir", digits, "--output_dir", out, *TINY, "--class_column", "label",
+            "--resume_from_checkpoint", "latest"]
+    line = assert_one_line_error(run_script("train_ddpm.py", *base, "--use_ema", "--ema_inv_gamma", "0.5"),
+                                 "--ema_inv_gamma 0.1 (now 0.5)")
+    assert "same EMA settings" in line
+    assert_one_line_error(run_script("train_ddpm.py", *base), "holds an EMA of the weights", "--use_ema")
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoint-4"]
+
+
+def test_two_processes_draw_their_own_noise(tmp_path):
+    """Pins: set_seed without device_specific: every process drew the same noise and timesteps. On a data set of one
+    image repeated, two processes then computed the same gradient as one, and trained exactly like it."""
+    from diffusers import UNet2DModel
+
+    from common.digits_data import write_digits
+
+    source = tmp_path / "digits"
+    write_digits(str(source))
+    data = tmp_path / "same"
+    data.mkdir()
+    for i in range(16):
+        shutil.copy(source / "train" / "0000.png", data / f"{i:02d}.png")
+    weights = []
+    for config in ("cpu.yaml", "cpu_2proc.yaml"):
+        out = tmp_path / config
+        launch("train_ddpm.py", "--train_data_dir", data, "--output_dir", out, "--resolution", "8",
+               "--block_out_channels", "16,32", "--train_batch_size", "4", "--max_train_steps", "2",
+               "--ddpm_num_steps", "100", "--validation_steps", "100", "--num_validation_images", "1",
+               "--validation_inference_steps", "1", "--report_to", "none", config=config)
+        weights.append(UNet2DModel.from_pretrained(out / "unet").state_dict())
+    assert any(not torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
 
 
 @pytest.fixture(scope="module")
@@ -216,6 +253,8 @@ def test_sample_py_bad_input(trained, unconditional_model, tmp_path):
         (["--model", broken], "is not a train_ddpm.py output"),
         (["--model", trained, "--prompt", "a digit"], "--prompt/--lora are for Stable Diffusion"),
         (["--model", tmp_path / "empty"], "error"),  # not a DDPM folder at all: handled by the other branch
+        # pins: --no_ema on a final output (unet/ holds the EMA weights) silently gave the EMA weights
+        (["--model", trained, "--no_ema"], "--no_ema: "),
     ]
     for args, needle in cases:
         out = tmp_path / "out"

@@ -91,7 +91,8 @@ def test_tables_count_what_the_modules_hold(ip, models, capsys):
     for name in ("unet", "vae", "text_encoder"):
         module = getattr(pipe, name)
         n = sum(p.numel() for p in module.parameters())
-        assert rows[name]["parameters"] == rows[name]["trainable"] == n
+        # no "trainable" column: a loaded pipeline's parameters all require grad, which says nothing about training
+        assert rows[name]["parameters"] == n and "trainable" not in rows[name]
         assert rows[name]["size_mb"] == pytest.approx(sum(p.numel() * 4 for p in module.parameters()) / 1e6, abs=0.01)
         assert f"{n:,}" in out
     assert rows["tokenizer"]["class"] == "CLIPTokenizer" and rows["safety_checker"]["class"] is None
@@ -213,6 +214,14 @@ def test_bad_input_is_one_line(models, tmp_path):
                                      "--trajectory_steps", 20), "--trajectory_steps")
     assert_one_line_error(run_script("inspect_pipeline.py", models["sd"], "--lora", models["other_lora"]),
                           "made for another base", "[4, 16] in the LoRA but [4, 32]")
+
+
+def test_trajectory_panels_default_to_at_most_the_steps(ip, models, tmp_path):
+    """Pins: --save_trajectory with --num_inference_steps 4 failed on the default --trajectory_steps 5."""
+    for steps, panels in ((4, 4), (12, 5)):
+        args = ip.parse_args([str(models["sd"]), "--num_inference_steps", str(steps), "--save_trajectory",
+                              str(tmp_path / "x.png")])
+        assert args.trajectory_steps == panels
 
 
 def test_height_must_fit_the_vae(ip, models):  # in-process: the one-line path itself is tested above

@@ -122,11 +122,11 @@ def reference_run(name, w, env, tag):
             "wall_s": time.time() - launched}
 
 
-# sample.py as users run it, plus a timer around its sampling loop (common.ddpm_sampling.sample_images), so that
+# sample.py as users run it, plus a timer around its sampling loop (common.diffusion.sample_images), so that
 # images/s is given both end to end and without the start-up (imports, loading) that dominates a 16-image run.
 TIMED_SAMPLE = """
 import runpy, sys, time
-import common.ddpm_sampling as sampling
+import common.diffusion as sampling
 inner = sampling.sample_images
 def timed(*args, **kwargs):
     start = time.perf_counter()
