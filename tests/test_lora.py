@@ -104,6 +104,37 @@ def test_load_lora_weights_and_kohya_reproduce_the_trained_models(trained, tiny_
     assert "lora_te_text_model_encoder_layers_0_self_attn_q_proj.alpha" in keys
 
 
+@pytest.mark.parametrize("use_dora", [False, True])
+def test_saved_lora_weights_load_back_into_both_models(tiny_sd, tmp_path, use_dora):
+    """save_lora_weights, then `pipe.load_lora_weights`: the UNet and the text encoder as they were in memory, with
+    LoRA and with DoRA. Pins the text encoder's DoRA magnitudes, which the file held without the `.weight` that
+    transformers' load_adapter expects: it dropped them (UNEXPECTED/MISSING) and the text output moved by ~1."""
+    from diffusers import StableDiffusionPipeline
+    from peft import LoraConfig
+
+    from common.lora_weights import save_lora_weights
+
+    trained = StableDiffusionPipeline.from_pretrained(tiny_sd)
+    before = fixed_unet_output(trained.unet), fixed_text_output(trained)
+    torch.manual_seed(0)
+    for model, targets in ((trained.unet, TARGETS), (trained.text_encoder, ["q_proj", "k_proj", "v_proj", "out_proj"])):
+        model.add_adapter(LoraConfig(r=4, lora_alpha=8, init_lora_weights="gaussian", target_modules=targets,
+                                     use_dora=use_dora))
+        with torch.no_grad():  # as if trained: every LoRA weight (B starts at zero) and DoRA magnitude moved
+            for name, p in model.named_parameters():
+                if "lora_" in name:
+                    p.add_(0.2 * torch.randn_like(p))
+    expected = fixed_unet_output(trained.unet), fixed_text_output(trained)
+    assert all((a - b).abs().max() > 1e-3 for a, b in zip(before, expected))
+    save_lora_weights(tmp_path, {"unet": trained.unet, "text_encoder": trained.text_encoder},
+                      {"base_model": str(tiny_sd), "rank": 4, "lora_alpha": 8}, kohya=not use_dora)
+    for weight_name in (None,) if use_dora else (None, KOHYA):
+        pipe = StableDiffusionPipeline.from_pretrained(tiny_sd)
+        pipe.load_lora_weights(tmp_path, weight_name=weight_name)
+        assert (fixed_unet_output(pipe.unet) - expected[0]).abs().max() < 1e-5, weight_name
+        assert (fixed_text_output(pipe) - expected[1]).abs().max() < 1e-5, weight_name
+
+
 def test_training_loss_on_the_training_set_falls(trained, tiny_sd, digits):
     from diffusers import StableDiffusionPipeline
     from PIL import Image
