@@ -61,9 +61,11 @@ def save_lora_weights(folder, lora_models, info, kohya=False):
 
 
 def text_encoder_key(key):
-    """A text-encoder key as transformers' load_adapter (where `load_lora_weights` sends the text encoder's keys)
-    matches it: a DoRA magnitude as `...lora_magnitude_vector.weight`. peft's own name lacks the `.weight`, and
-    load_adapter drops such a key as unexpected."""
+    """A text-encoder key as diffusers' training scripts write it for CLIP, under `text_model.`: transformers 4's
+    CLIPTextModel has that level, transformers 5's does not (diffusers' loader strips it for such a model). A DoRA
+    magnitude as `...lora_magnitude_vector.weight`, the name transformers' load_adapter (where `load_lora_weights`
+    sends the text encoder's keys) matches: peft's own name lacks the `.weight`, and load_adapter drops it."""
+    key = key if key.startswith("text_model.") else "text_model." + key
     return key + ".weight" if key.endswith(".lora_magnitude_vector") else key
 
 

@@ -108,7 +108,9 @@ def test_load_lora_weights_and_kohya_reproduce_the_trained_models(trained, tiny_
 def test_saved_lora_weights_load_back_into_both_models(tiny_sd, tmp_path, use_dora):
     """save_lora_weights, then `pipe.load_lora_weights`: the UNet and the text encoder as they were in memory, with
     LoRA and with DoRA. Pins the text encoder's DoRA magnitudes, which the file held without the `.weight` that
-    transformers' load_adapter expects: it dropped them (UNEXPECTED/MISSING) and the text output moved by ~1."""
+    transformers' load_adapter expects: it dropped them (UNEXPECTED/MISSING) and the text output moved by ~1. And
+    the text encoder's keys, which lacked CLIP's `text_model.` level: transformers 4's CLIPTextModel has it, so they
+    matched none of its modules there (diffusers strips the level for transformers 5, whose model has none)."""
     from diffusers import StableDiffusionPipeline
     from peft import LoraConfig
 
@@ -128,6 +130,10 @@ def test_saved_lora_weights_load_back_into_both_models(tiny_sd, tmp_path, use_do
     assert all((a - b).abs().max() > 1e-3 for a, b in zip(before, expected))
     save_lora_weights(tmp_path, {"unet": trained.unet, "text_encoder": trained.text_encoder},
                       {"base_model": str(tiny_sd), "rank": 4, "lora_alpha": 8}, kohya=not use_dora)
+    keys = [key for key in load_file(tmp_path / "pytorch_lora_weights.safetensors") if key.startswith("text_encoder.")]
+    assert keys and all(key.startswith("text_encoder.text_model.encoder.layers.") for key in keys), keys[:3]
+    if not use_dora:
+        assert "lora_te_text_model_encoder_layers_0_self_attn_q_proj.lora_down.weight" in load_file(tmp_path / KOHYA)
     for weight_name in (None,) if use_dora else (None, KOHYA):
         pipe = StableDiffusionPipeline.from_pretrained(tiny_sd)
         pipe.load_lora_weights(tmp_path, weight_name=weight_name)
