@@ -61,11 +61,15 @@ $(TINY_SD): | install
 # The LoRA demo: the tiny base, the digits captions. One thread per CPU process: the models are small, and on a
 # shared CPU several threads per process spin against each other (measured 5-10x slower).
 LORA_OUT = $(or $(OUTPUT),outputs/lora)
+# The demo's size, learning rate and batch for the tiny base; with another base (--pretrained_model_name_or_path in
+# ARGS) the script's own defaults: the base's native resolution, LR 1e-4, batch 16.
+LORA_DEMO = $(if $(findstring --pretrained_model_name_or_path,$(ARGS)),,--resolution 32 --learning_rate 2e-3 \
+  --train_batch_size 32)
 LORA_PROMPTS := --prompt "a handwritten digit zero" --prompt "a handwritten digit three" \
   --prompt "a handwritten digit seven"
 train-lora: data $(TINY_SD)
 	$(LAUNCH) $(if $(LAUNCH_ENV),--num_cpu_threads_per_process 1,) train_lora.py --train_data_dir data/digits \
-	  --output_dir $(LORA_OUT) --cache_latents --validation_prompt "a handwritten digit seven" $(ARGS)
+	  --output_dir $(LORA_OUT) --cache_latents --validation_prompt "a handwritten digit seven" $(LORA_DEMO) $(ARGS)
 	$(MAKE) --no-print-directory sample-lora OUTPUT=$(LORA_OUT) ARGS=
 	@echo "LoRA: $(LORA_OUT)/pytorch_lora_weights.safetensors (lora_info.json, README.md, all_results.json)"
 	@echo "validation images: $(LORA_OUT)/samples/step-*/   sample grid: $(LORA_OUT)/samples/grid.png"

@@ -1,19 +1,23 @@
 #!/usr/bin/env python
 """Fine-tune Stable Diffusion with LoRA (peft) on captioned images, the accelerate way.
 
-The seed notes' recipe: the UNet frozen, LoRA adapters (LoraConfig, init_lora_weights="gaussian") on its attention
-projections, trained on the denoising loss; optionally the CLIP text encoder too. Frozen weights in fp16/bf16, LoRA
-weights in fp32; latents (--cache_latents) and text embeddings computed once; min-SNR weighting, noise offset,
-caption dropout, validation images, resumable checkpoints that hold only the LoRA. Writes
+The UNet frozen, LoRA adapters (LoraConfig, init_lora_weights="gaussian") on its attention projections, trained on
+the denoising loss; optionally the CLIP text encoder too. Frozen weights in fp16/bf16, LoRA weights in fp32; latents
+(--cache_latents) and text embeddings computed once; min-SNR weighting, noise offset, caption dropout, validation
+images, resumable checkpoints that hold only the LoRA. Writes
 pytorch_lora_weights.safetensors (`pipe.load_lora_weights(output_dir)`), optionally the kohya/A1111/ComfyUI format,
 a model card, and lora_info.json, from which sample.py finds the base model.
 
-Built-in demo (a tiny random-init SD that `make tiny-sd` builds offline, the digits captions, CPU, ~2 minutes):
+Defaults suit a real base: --resolution is the base's native size (its VAE's sample_size, 512 for SD 1.5),
+--learning_rate 1e-4, --train_batch_size 16, as in diffusers' LoRA example.
+
+Built-in demo (a tiny random-init SD that `make tiny-sd` builds offline, the digits captions, CPU, ~2 minutes; the
+Makefile passes the demo's --resolution 32 --learning_rate 2e-3 --train_batch_size 32):
     make train-lora
-One GPU, Stable Diffusion 1.5 from the hub:
+One GPU, Stable Diffusion 1.5 from the hub (at 512 px, its native size):
     accelerate launch --config_file accelerate_configs/single_gpu.yaml train_lora.py \
         --pretrained_model_name_or_path stable-diffusion-v1-5/stable-diffusion-v1-5 \
-        --dataset_name lambdalabs/naruto-blip-captions --resolution 512 --center_crop --random_flip \
+        --dataset_name lambdalabs/naruto-blip-captions --center_crop --random_flip \
         --train_batch_size 4 --max_train_steps 3000 --learning_rate 1e-4 --rank 8 --mixed_precision fp16 \
         --cache_latents --checkpointing_steps 500 --validation_prompt "a man with blue hair" \
         --validation_steps 500 --output_dir outputs/lora-naruto
@@ -44,7 +48,7 @@ def comma_list(text):
 
 def parse_args(argv=None):
     parser = make_parser(__doc__.splitlines()[0])
-    g = add_data_args(parser, resolution=32)
+    g = add_data_args(parser, resolution=None)
     g.add_argument("--caption_column", default="text",
                    help="Column with each image's caption: a string, or a list (one picked at random per step).")
     g.add_argument("--caption_dropout_prob", type=probability, default=0.0,
@@ -81,7 +85,7 @@ def parse_args(argv=None):
                    help="Sampler of the validation images (sample.py's default too).")
     g.add_argument("--validation_inference_steps", type=positive_int, default=20)
     g.add_argument("--validation_guidance_scale", type=float, default=7.5)
-    add_training_args(parser, output_dir="outputs/lora", learning_rate=2e-3, train_batch_size=32, num_train_epochs=5,
+    add_training_args(parser, output_dir="outputs/lora", learning_rate=1e-4, train_batch_size=16, num_train_epochs=5,
                       lr_scheduler="constant", lr_warmup_steps=0)
     add_checkpoint_args(parser, checkpointing_steps=500)
     add_logging_args(parser, project_name="train_lora")
@@ -91,7 +95,7 @@ def parse_args(argv=None):
         parser.error(f"the default base {TINY_SD} is not built yet: run `make tiny-sd` (or give "
                      "--pretrained_model_name_or_path, e.g. stable-diffusion-v1-5/stable-diffusion-v1-5)")
     check_sd_pipeline(args.pretrained_model_name_or_path, "--pretrained_model_name_or_path")
-    check_local_resolution(args.pretrained_model_name_or_path, args.resolution)
+    args.resolution = check_local_resolution(args.pretrained_model_name_or_path, args.resolution)
     args.lora_alpha = args.lora_alpha or args.rank
     args.center_crop = args.center_crop or args.cache_latents  # one cached crop per image: the center one
     if args.export_kohya and args.use_dora:
@@ -137,7 +141,7 @@ def main(args):
     from common.param_groups import build_param_groups
     from common.preemption import PreemptionGuard
     from common.run_summary import write_all_results
-    from common.sd_pipeline import check_resolution, load_error
+    from common.sd_pipeline import base_resolution, load_error
     from common.state_hooks import register_state_hooks
     from common.trackers import init_trackers, log_with
     from common.training_steps import plan_steps, resume_position
@@ -161,6 +165,14 @@ def main(args):
     weight_dtype, lora_dtype = lora_dtypes(accelerator.mixed_precision)
 
     # 2. Data: images decoded once; each image's captions as indices into the distinct prompts ("" for dropout).
+    # The training size: the base's native one (its VAE's sample_size) unless given. Far below it, what the LoRA
+    # learns shows little in images at the size the base samples at.
+    args.resolution, native = base_resolution(args.pretrained_model_name_or_path, args.resolution, args.revision,
+                                              args.cache_dir)
+    if native and args.resolution * 2 < native:
+        logger.warning(f"--resolution {args.resolution} is less than half the base's native {native} px: what the "
+                       f"LoRA learns will show little at the base's own size (leave --resolution out to train at "
+                       f"{native})")
     train_ds, _ = load_image_dataset(args, carve_eval=False)
     require_columns(train_ds, image_column=args.image_column, caption_column=args.caption_column)
     captions = caption_lists(train_ds[args.caption_column], args.caption_column)
@@ -201,7 +213,6 @@ def main(args):
                                                     dtype=weight_dtype, **load)
     except (OSError, ValueError) as err:
         raise load_error("--pretrained_model_name_or_path", path, err) from None
-    check_resolution(args.resolution, vae.config, f"'{path}'")  # a hub base: not checked while parsing
     if args.prediction_type:
         noise_scheduler.register_to_config(prediction_type=args.prediction_type)
     for model in (unet, vae, text_encoder):
@@ -282,9 +293,9 @@ def main(args):
         os.makedirs(args.output_dir, exist_ok=True)
     init_trackers(accelerator, args)
     total_batch_size = args.train_batch_size * accelerator.num_processes * args.gradient_accumulation_steps
-    logger.info(f"{len(train_data)} training images, {len(prompts) - 1} distinct captions, {num_trainable} LoRA "
-                f"parameters ({accelerator.mixed_precision} mixed precision: base {weight_dtype}, LoRA {lora_dtype}), "
-                f"{accelerator.num_processes} process(es), batch {total_batch_size}, "
+    logger.info(f"{len(train_data)} training images at {args.resolution} px, {len(prompts) - 1} distinct captions, "
+                f"{num_trainable} LoRA parameters ({accelerator.mixed_precision} mixed precision: base {weight_dtype}, "
+                f"LoRA {lora_dtype}), {accelerator.num_processes} process(es), batch {total_batch_size}, "
                 f"{max_train_steps} optimizer steps over {num_train_epochs} epochs")
 
     # From here on each process draws its own noise, timesteps and dropout (the models above were initialised alike
@@ -384,7 +395,7 @@ def main(args):
                 samples_per_step=total_batch_size, final_loss=last_loss, device=accelerator.device,
                 num_processes=accelerator.num_processes,
                 metrics={"trainable_parameters": num_trainable, "mixed_precision": accelerator.mixed_precision,
-                         "skipped_steps": skipped_steps})
+                         "skipped_steps": skipped_steps, "resolution": args.resolution})
             base = args.pretrained_model_name_or_path
             write_model_card(
                 args.output_dir, f"LoRA for {base}",
@@ -392,7 +403,8 @@ def main(args):
                 f"optimizer steps. Sample: `python sample.py --model {args.output_dir} --prompt \"...\"`.",
                 {"base model": f"`{base}`" + (" (tiny, random-init: a smoke test, not a picture model)"
                                                if "tiny-sd" in base else ""),
-                 "rank / alpha": f"{args.rank} / {args.lora_alpha:g}", "target modules": ", ".join(args.target_modules),
+                 "resolution": f"{args.resolution} px", "rank / alpha": f"{args.rank} / {args.lora_alpha:g}",
+                 "target modules": ", ".join(args.target_modules),
                  "text encoder LoRA": args.train_text_encoder, "steps": global_step,
                  "final loss": f"{last_loss:.4f}" if last_loss is not None else "n/a",
                  "validation prompts": "; ".join(args.validation_prompt) or "none"},

@@ -63,7 +63,9 @@ def add_data_args(parser, resolution, image_column="image"):
     g.add_argument("--image_column", default=image_column, help="Column that holds the images.")
     g.add_argument("--eval_split", default="test", help="Held-out split; carved from train if missing.")
     g.add_argument("--max_train_samples", type=positive_int, default=None, help="Truncate the training set.")
-    g.add_argument("--resolution", type=positive_int, default=resolution, help="Square training resolution.")
+    native = "; default: the base model's native one (its VAE config's sample_size: 512 for SD 1.5)"
+    g.add_argument("--resolution", type=positive_int, default=resolution,
+                   help=f"Square training resolution{'' if resolution else native}.")
     g.add_argument("--center_crop", action="store_true", help="Center crop instead of random crop.")
     g.add_argument("--random_flip", action="store_true", help="Random horizontal flip.")
     g.add_argument("--dataloader_num_workers", type=non_negative_int, default=0, help="0: load in the main process.")
@@ -80,7 +82,8 @@ def add_training_args(parser, *, output_dir, learning_rate, train_batch_size, nu
     g.add_argument("--max_train_steps", type=positive_int, default=None,
                    help="Total optimizer steps; overrides --num_train_epochs.")
     g.add_argument("--gradient_accumulation_steps", type=positive_int, default=1)
-    g.add_argument("--learning_rate", type=positive_float, default=learning_rate)
+    g.add_argument("--learning_rate", type=positive_float, default=learning_rate,
+                   help="Peak learning rate (after any warm-up).")
     g.add_argument("--lr_scheduler", default=lr_scheduler, choices=LR_SCHEDULERS,
                    help="warmup_cosine: linear warm-up from lr_warmup_start_factor*lr, then cosine to --lr_min.")
     g.add_argument("--lr_warmup_steps", type=non_negative_int, default=lr_warmup_steps, help="In optimizer steps.")

@@ -44,10 +44,13 @@ def save_lora_weights(folder, lora_models, info, kohya=False):
 
     states = {name: get_peft_model_state_dict(model) for name, model in lora_models.items()}
     configs = {name: model.peft_config["default"].to_dict() for name, model in lora_models.items()}
+    text_encoder_layers = None
+    if "text_encoder" in states:
+        text_encoder_layers = {text_encoder_key(key): value
+                               for key, value in convert_state_dict_to_diffusers(states["text_encoder"]).items()}
     StableDiffusionPipeline.save_lora_weights(
         folder, weight_name=LORA_WEIGHTS, unet_lora_layers=convert_state_dict_to_diffusers(states["unet"]),
-        text_encoder_lora_layers=convert_state_dict_to_diffusers(states["text_encoder"])
-        if "text_encoder" in states else None,
+        text_encoder_lora_layers=text_encoder_layers,
         unet_lora_adapter_metadata=configs["unet"], text_encoder_lora_adapter_metadata=configs.get("text_encoder"))
     if kohya:
         weights = peft_to_kohya(states["unet"], info["lora_alpha"], "lora_unet")
@@ -55,6 +58,15 @@ def save_lora_weights(folder, lora_models, info, kohya=False):
             weights.update(peft_to_kohya(states["text_encoder"], info["lora_alpha"], "lora_te", "text_model."))
         save_file(weights, os.path.join(folder, KOHYA_WEIGHTS), metadata={"format": "pt"})
     write_lora_info(folder, info)
+
+
+def text_encoder_key(key):
+    """A text-encoder key as diffusers' training scripts write it for CLIP, under `text_model.`: transformers 4's
+    CLIPTextModel has that level, transformers 5's does not (diffusers' loader strips it for such a model). A DoRA
+    magnitude as `...lora_magnitude_vector.weight`, the name transformers' load_adapter (where `load_lora_weights`
+    sends the text encoder's keys) matches: peft's own name lacks the `.weight`, and load_adapter drops it."""
+    key = key if key.startswith("text_model.") else "text_model." + key
+    return key + ".weight" if key.endswith(".lora_magnitude_vector") else key
 
 
 def peft_to_kohya(state_dict, alpha, prefix, module_prefix=""):

@@ -1,5 +1,6 @@
-"""Stable Diffusion bases: a one-line error for a folder that is not one, and lora_info.json, which ties a LoRA to
-its base so that sample.py finds the base from the LoRA alone."""
+"""Stable Diffusion bases: a one-line error for a folder that is not one, the training resolution (by default the
+base's native one), and lora_info.json, which ties a LoRA to its base so that sample.py finds the base from the LoRA
+alone."""
 import json
 import os
 
@@ -32,12 +33,39 @@ def check_resolution(resolution, vae_config, source):
                         f"{source}; use {' or '.join(map(str, near))}")
 
 
+def training_resolution(resolution, vae_config, source):
+    """-> (the resolution to train at, the base's native one). The native one is its VAE's sample_size (512 for SD
+    1.5, 32 for the tiny base; None when the config has none); it is the default for `resolution` None."""
+    native = vae_config.get("sample_size")
+    native = native if isinstance(native, int) else None
+    if resolution is None and native is None:
+        raise UserError(f"the VAE config of {source} has no sample_size to take the training size from; "
+                        "give --resolution")
+    resolution = resolution or native
+    check_resolution(resolution, vae_config, source)
+    return resolution, native
+
+
 def check_local_resolution(path, resolution):
-    """check_resolution before anything loads, for a local pipeline folder (hub ids are checked once loaded)."""
+    """training_resolution before anything loads, for a local pipeline folder (hub ids are checked once loaded).
+    -> the resolution to train at: the given one, else the folder's native one; for a hub id the given one (or None)."""
     config_file = os.path.join(path, "vae", "config.json")
     if os.path.isfile(config_file):
         with open(config_file) as f:
-            check_resolution(resolution, json.load(f), f"'{path}'")
+            resolution, _ = training_resolution(resolution, json.load(f), f"'{path}'")
+    return resolution
+
+
+def base_resolution(path, resolution, revision=None, cache_dir=None):
+    """training_resolution from the base's VAE config, local or hub (for a hub base only that file is fetched, before
+    the data needs the size). -> (the resolution to train at, the native one or None)."""
+    from diffusers import AutoencoderKL
+
+    try:
+        config = AutoencoderKL.load_config(path, subfolder="vae", revision=revision, cache_dir=cache_dir)
+    except (OSError, ValueError) as err:
+        raise load_error("--pretrained_model_name_or_path", path, err) from None
+    return training_resolution(resolution, config, f"'{path}'")
 
 
 def check_safetensors(path, flag):

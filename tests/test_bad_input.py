@@ -117,6 +117,8 @@ LORA = [
     case("zero-rank", ["--rank", "0"], "--rank"),
     case("resolution-vs-vae-factor", ["--resolution", "30"],
          "--resolution 30 is not divisible by 4, the VAE's downsampling factor", "use 28 or 32"),
+    case("base-without-native-size", ["--pretrained_model_name_or_path", "{sd_no_size}"],
+         "has no sample_size to take the training size from", "give --resolution"),
     case("base-is-a-classifier", ["--pretrained_model_name_or_path", "{classifier}"],
          "is not a Stable Diffusion pipeline folder", "make tiny-sd"),
     case("base-path-missing", ["--pretrained_model_name_or_path", "{missing}"], "is neither a pipeline folder"),
@@ -245,11 +247,16 @@ def paths(tmp_path_factory, tiny_sd, classifier_run, read_only):
     # without a word and adapts nothing.
     save_file({"transformer_blocks.0.ff.net.0.proj.lora_A.weight": torch.zeros(4, 64),
                "transformer_blocks.0.ff.net.0.proj.lora_B.weight": torch.zeros(64, 4)}, root / "foreign.safetensors")
+    # A base whose VAE config does not say its native size: train_lora.py cannot pick a default --resolution.
+    shutil.copytree(tiny_sd, root / "sd_no_size")
+    vae_config = json.loads((root / "sd_no_size" / "vae" / "config.json").read_text())
+    del vae_config["sample_size"]
+    (root / "sd_no_size" / "vae" / "config.json").write_text(json.dumps(vae_config))
     return {"good": write_imagefolder(root / "good", good), "corrupt": corrupt, "empty": root / "empty",
             "no_images": root / "no_images", "missing": root / "no-such-folder", "a_file": root / "a_file",
             "unet_1ch": root / "unet_1ch.json", "not_safetensors": root / "not.safetensors",
-            "foreign_lora": root / "foreign.safetensors", "sd": tiny_sd, "classifier": classifier_run["out"],
-            "read_only": read_only, "root": root}
+            "foreign_lora": root / "foreign.safetensors", "sd": tiny_sd, "sd_no_size": root / "sd_no_size",
+            "classifier": classifier_run["out"], "read_only": read_only, "root": root}
 
 
 def snapshot(path):

@@ -26,9 +26,20 @@ KOHYA = "pytorch_lora_weights_kohya.safetensors"
 @pytest.fixture(scope="module")
 def trained(digits, tiny_sd, tmp_path_factory):
     out = tmp_path_factory.mktemp("lora") / "run"
-    launch("train_lora.py", "--train_data_dir", digits, "--pretrained_model_name_or_path", tiny_sd,
-           "--output_dir", out, *TINY, "--cache_latents", "--export_kohya")
+    proc = launch("train_lora.py", "--train_data_dir", digits, "--pretrained_model_name_or_path", tiny_sd,
+                  "--output_dir", out, *TINY, "--cache_latents", "--export_kohya")
+    (out.parent / "stderr.txt").write_text(proc.stderr)  # beside the run, not in it
     return out
+
+
+@pytest.fixture(scope="module")
+def base_128px(tiny_sd, tmp_path_factory):
+    """The tiny base, but its VAE config says 128 px is its native size (the weights work at any size)."""
+    path = tmp_path_factory.mktemp("base") / "tiny-sd-128px"
+    shutil.copytree(tiny_sd, path)
+    config = json.loads((path / "vae" / "config.json").read_text())
+    (path / "vae" / "config.json").write_text(json.dumps({**config, "sample_size": 128}))
+    return path
 
 
 def lora_args(digits, tiny_sd, out, *extra):
@@ -69,6 +80,10 @@ def test_outputs_and_only_lora_parameters_train(trained, tiny_sd):
 
     results = read_results(trained)
     assert results["global_step"] == 12 and results["num_processes"] == 1
+    # No --resolution: the tiny base's native size (its VAE's sample_size), 32, and no warning about it.
+    assert results["resolution"] == 32
+    stderr = (trained.parent / "stderr.txt").read_text()
+    assert "training images at 32 px" in stderr and "less than half the base's native" not in stderr
     base = StableDiffusionPipeline.from_pretrained(tiny_sd)
     expected = 0
     for model, targets in ((base.unet, TARGETS), (base.text_encoder, ["q_proj", "k_proj", "v_proj", "out_proj"])):
@@ -102,6 +117,43 @@ def test_load_lora_weights_and_kohya_reproduce_the_trained_models(trained, tiny_
     keys = load_file(trained / KOHYA).keys()
     assert "lora_unet_down_blocks_0_attentions_0_transformer_blocks_0_attn1_to_out_0.lora_down.weight" in keys
     assert "lora_te_text_model_encoder_layers_0_self_attn_q_proj.alpha" in keys
+
+
+@pytest.mark.parametrize("use_dora", [False, True])
+def test_saved_lora_weights_load_back_into_both_models(tiny_sd, tmp_path, use_dora):
+    """save_lora_weights, then `pipe.load_lora_weights`: the UNet and the text encoder as they were in memory, with
+    LoRA and with DoRA. Pins the text encoder's DoRA magnitudes, which the file held without the `.weight` that
+    transformers' load_adapter expects: it dropped them (UNEXPECTED/MISSING) and the text output moved by ~1. And
+    the text encoder's keys, which lacked CLIP's `text_model.` level: transformers 4's CLIPTextModel has it, so they
+    matched none of its modules there (diffusers strips the level for transformers 5, whose model has none)."""
+    from diffusers import StableDiffusionPipeline
+    from peft import LoraConfig
+
+    from common.lora_weights import save_lora_weights
+
+    trained = StableDiffusionPipeline.from_pretrained(tiny_sd)
+    before = fixed_unet_output(trained.unet), fixed_text_output(trained)
+    torch.manual_seed(0)
+    for model, targets in ((trained.unet, TARGETS), (trained.text_encoder, ["q_proj", "k_proj", "v_proj", "out_proj"])):
+        model.add_adapter(LoraConfig(r=4, lora_alpha=8, init_lora_weights="gaussian", target_modules=targets,
+                                     use_dora=use_dora))
+        with torch.no_grad():  # as if trained: every LoRA weight (B starts at zero) and DoRA magnitude moved
+            for name, p in model.named_parameters():
+                if "lora_" in name:
+                    p.add_(0.2 * torch.randn_like(p))
+    expected = fixed_unet_output(trained.unet), fixed_text_output(trained)
+    assert all((a - b).abs().max() > 1e-3 for a, b in zip(before, expected))
+    save_lora_weights(tmp_path, {"unet": trained.unet, "text_encoder": trained.text_encoder},
+                      {"base_model": str(tiny_sd), "rank": 4, "lora_alpha": 8}, kohya=not use_dora)
+    keys = [key for key in load_file(tmp_path / "pytorch_lora_weights.safetensors") if key.startswith("text_encoder.")]
+    assert keys and all(key.startswith("text_encoder.text_model.encoder.layers.") for key in keys), keys[:3]
+    if not use_dora:
+        assert "lora_te_text_model_encoder_layers_0_self_attn_q_proj.lora_down.weight" in load_file(tmp_path / KOHYA)
+    for weight_name in (None,) if use_dora else (None, KOHYA):
+        pipe = StableDiffusionPipeline.from_pretrained(tiny_sd)
+        pipe.load_lora_weights(tmp_path, weight_name=weight_name)
+        assert (fixed_unet_output(pipe.unet) - expected[0]).abs().max() < 1e-5, weight_name
+        assert (fixed_text_output(pipe) - expected[1]).abs().max() < 1e-5, weight_name
 
 
 def test_training_loss_on_the_training_set_falls(trained, tiny_sd, digits):
@@ -292,6 +344,36 @@ def test_sample_py_bad_input(tiny_sd, tmp_path):
                       "--output_dir", tmp_path / "s")
     assert_one_line_error(proc, "does not fit the base model", "size mismatch")
     assert not (tmp_path / "s").exists()
+
+
+def test_defaults_suit_a_real_base(digits, tiny_sd, base_128px, tmp_path):
+    """Pins the defaults that suited only the tiny base (32 px, LR 2e-3, batch 32): a user who changed only the base
+    to SD 1.5 trained at 32 px with 20x the usual LR. Now: the base's native size, LR 1e-4, batch 16."""
+    from train_lora import parse_args
+
+    proc = subprocess.run([sys.executable, str(ROOT / "train_lora.py"), "--help"], env=offline_env(),
+                          capture_output=True, text=True, timeout=60)
+    text = " ".join(proc.stdout.split())
+    assert "--learning_rate LEARNING_RATE Peak learning rate (after any warm-up). (default: 0.0001)" in text
+    assert "--train_batch_size TRAIN_BATCH_SIZE Batch size per device. (default: 16)" in text
+    assert "--resolution RESOLUTION Square training resolution; default: the base model's native one" in text
+    flags = ["--train_data_dir", str(digits), "--output_dir", str(tmp_path / "parsed")]
+    assert parse_args([*flags, "--pretrained_model_name_or_path", str(tiny_sd)]).resolution == 32
+    assert parse_args([*flags, "--pretrained_model_name_or_path", str(base_128px)]).resolution == 128
+    args = parse_args([*flags, "--pretrained_model_name_or_path", str(base_128px), "--resolution", "48"])
+    assert (args.resolution, args.learning_rate, args.train_batch_size) == (48, 1e-4, 16)
+
+
+def test_a_resolution_far_below_the_bases_warns_and_trains(digits, base_128px, tmp_path):
+    out = tmp_path / "small"
+    proc = run_script("train_lora.py", "--train_data_dir", digits, "--pretrained_model_name_or_path", base_128px,
+                      "--output_dir", out, "--resolution", "32", "--max_train_samples", "8", "--train_batch_size", "4",
+                      "--max_train_steps", "1", "--cache_latents", "--report_to", "none")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    warnings = [line for line in proc.stderr.splitlines() if "less than half the base's native" in line]
+    assert len(warnings) == 1 and "--resolution 32 is less than half the base's native 128 px" in warnings[0]
+    assert "leave --resolution out to train at 128" in warnings[0]
+    assert read_results(out)["resolution"] == 32  # a warning, not an error
 
 
 def test_help_is_fast():
