@@ -74,7 +74,8 @@ def main(args):
     from tqdm.auto import tqdm
 
     from common.checkpoints import checkpoint_step, load_checkpoint, resolve_resume, save_checkpoint
-    from common.image_data import ImageDataset, collate_batch, label_names, load_image_dataset, require_columns
+    from common.image_data import (ImageDataset, collate_batch, label_ids, label_names, load_image_dataset,
+                                   require_columns)
     from common.lr_schedulers import build_lr_scheduler
     from common.model_card import write_model_card
     from common.nonfinite_loss import finite_step
@@ -108,13 +109,6 @@ def main(args):
     for ds in (train_ds, eval_ds):
         require_columns(ds, image_column=args.image_column, label_column=args.label_column, **text_columns)
     labels = label_names(train_ds, args.label_column)
-    label2id = {name: i for i, name in enumerate(labels)}
-
-    def label_ids(ds):
-        unknown = {str(v) for v in ds[args.label_column]} - set(label2id)
-        if unknown:
-            raise UserError(f"evaluation labels {sorted(unknown)[:5]} do not occur in the training split")
-        return torch.tensor([label2id[str(v)] for v in ds[args.label_column]])
 
     tokenizer = None
     if args.text_column:
@@ -124,8 +118,8 @@ def main(args):
 
         tokenizer = AutoTokenizer.from_pretrained(args.text_model_name_or_path)
 
-    def columns(ds):
-        cols = {"labels": label_ids(ds)}
+    def columns(ds, split):
+        cols = {"labels": label_ids(ds, args.label_column, labels, split)}
         if tokenizer is not None:
             tokens = tokenizer(list(ds[args.text_column]), padding="max_length", truncation=True,
                                max_length=args.max_text_length, return_tensors="pt")
@@ -171,10 +165,10 @@ def main(args):
 
     with accelerator.main_process_first():
         train_data = ImageDataset(train_ds, args.image_column, args.resolution, center_crop=args.center_crop,
-                                  random_flip=args.random_flip, mean=mean, std=std, columns=columns(train_ds),
+                                  random_flip=args.random_flip, mean=mean, std=std, columns=columns(train_ds, "training"),
                                   seed=args.seed)
         eval_data = ImageDataset(eval_ds, args.image_column, args.resolution, center_crop=True, mean=mean, std=std,
-                                 columns=columns(eval_ds))
+                                 columns=columns(eval_ds, "evaluation"))
     train_dataloader = torch.utils.data.DataLoader(
         train_data, batch_size=args.train_batch_size, shuffle=True, num_workers=args.dataloader_num_workers,
         collate_fn=collate_batch, generator=torch.Generator().manual_seed(args.seed))  # own RNG: the global one stays

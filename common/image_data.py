@@ -66,6 +66,27 @@ def label_names(dataset, column):
     return [str(value) for value in sorted(set(dataset[column]))]
 
 
+def label_ids(dataset, column, names, split="training"):
+    """The class id of every row (a tensor): the position of its name in `names` (label_names of the training split).
+
+    A ClassLabel stores ints that index its own names: they are read as names, so every split maps by name alike.
+    A label that `names` lacks is a one-line error naming `split`.
+    """
+    feature = dataset.features[column]
+    values = dataset[column]
+    if hasattr(feature, "names"):
+        missing = sorted({v for v in values if not 0 <= v < len(feature.names)})
+        if missing:  # -1 is how datasets marks a row without a label
+            raise UserError(f"the {split} split has rows without a class in '{column}' (values {missing[:5]})")
+        values = [feature.names[v] for v in values]
+    position = {name: i for i, name in enumerate(names)}
+    values = [str(v) for v in values]
+    unknown = set(values) - set(position)
+    if unknown:
+        raise UserError(f"{split} labels {sorted(unknown)[:5]} do not occur in the training split")
+    return torch.tensor([position[v] for v in values])
+
+
 def to_rgb(image):
     """Any PIL mode -> RGB; transparency composited on white, 16-bit scaled to 8-bit."""
     if image.mode in ("I;16", "I;16B", "I;16L", "I", "F"):

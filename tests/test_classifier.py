@@ -1,4 +1,5 @@
 """train_classifier.py end to end: real runs through `accelerate launch` on the built-in digits, tiny settings."""
+import json
 import shutil
 import subprocess
 import sys
@@ -158,3 +159,57 @@ def test_image_text_classifier_with_per_module_learning_rates(digits, tiny_text_
 
     tokenizer = AutoTokenizer.from_pretrained(out / "text_model")  # the tokenizer travels with the model
     assert tokenizer("a handwritten digit three")["input_ids"][1:-1] == [5, 6, 7, 11]
+
+
+CLASSES = ["zero", "one", "two"]
+
+
+def write_class_datasets(digits, root, per_class=(20, 5)):
+    """The digits 0-2 (`per_class` train and test images each) under class names that are words, as two datasets
+    whose `label` is a ClassLabel: an imagefolder with one subfolder per class (datasets orders its names
+    alphabetically: one, two, zero) and a parquet dataset with the images inside, as hub datasets are stored (names
+    zero, one, two).
+    -> (imagefolder path, parquet path)."""
+    import datasets
+
+    folder, parquet = root / "subfolders", root / "parquet"
+    parquet.mkdir(parents=True)
+    features = datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(names=CLASSES)})
+    for split, count in zip(("train", "test"), per_class):
+        rows = [json.loads(line) for line in (digits / split / "metadata.jsonl").read_text().splitlines()]
+        rows = [r for c in range(len(CLASSES)) for r in [x for x in rows if x["label"] == c][:count]]
+        for r in rows:
+            (folder / split / CLASSES[r["label"]]).mkdir(parents=True, exist_ok=True)
+            shutil.copy(digits / split / r["file_name"], folder / split / CLASSES[r["label"]])
+        images = [{"bytes": (digits / split / r["file_name"]).read_bytes(), "path": r["file_name"]} for r in rows]
+        table = datasets.Dataset.from_dict({"image": images, "label": [r["label"] for r in rows]}, features=features)
+        table.to_parquet(str(parquet / f"{split}.parquet"))
+    return folder, parquet
+
+
+@pytest.fixture(scope="module")
+def class_datasets(digits, tmp_path_factory):
+    return write_class_datasets(digits, tmp_path_factory.mktemp("classlabel"))
+
+
+@pytest.mark.parametrize("layout", ["imagefolder", "parquet"])
+def test_classlabel_datasets_train_and_keep_the_class_names(class_datasets, layout, tmp_path):
+    # The bug this pins: a ClassLabel label column (hub datasets such as CIFAR-10; an imagefolder with one subfolder
+    # per class) stops the run with "evaluation labels ['0', '1', '2'] do not occur in the training split".
+    import datasets
+    from transformers import AutoModelForImageClassification
+
+    path = class_datasets[0] if layout == "imagefolder" else class_datasets[1]
+    source = ["--train_data_dir", path] if layout == "imagefolder" else ["--dataset_name", path]
+    loaded = (datasets.load_dataset("imagefolder", data_dir=str(path)) if layout == "imagefolder"
+              else datasets.load_dataset(str(path)))
+    feature = loaded["train"].features["label"]
+    assert isinstance(feature, datasets.ClassLabel) and isinstance(loaded["test"].features["label"], datasets.ClassLabel)
+    expected = ["one", "two", "zero"] if layout == "imagefolder" else ["zero", "one", "two"]
+    assert feature.names == expected
+    out = tmp_path / "out"
+    proc = run_script("train_classifier.py", *source, "--output_dir", out, "--max_train_steps", "2",
+                      "--train_batch_size", "16", "--report_to", "none")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert AutoModelForImageClassification.from_pretrained(out).config.id2label == dict(enumerate(expected))
+    assert read_results(out)["eval_samples"] == 15
