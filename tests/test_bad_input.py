@@ -58,6 +58,7 @@ CLASSIFIER = [
     case("unknown-lr-scheduler", ["--lr_scheduler", "warmup_sine"], "--lr_scheduler", "invalid choice",
          "warmup_cosine"),
     case("zero-resolution", ["--resolution", "0"], "--resolution"),
+    case("train-val-split-of-one", ["--train_val_split", "1"], "--train_val_split must be between 0 and 1"),
     case("lr-groups-syntax", ["--lr_groups", "resnet"], "--lr_groups"),
     case("text-column-alone", ["--text_column", "text"], "go together"),
     case("resume-from-missing-checkpoint", ["--resume_from_checkpoint", "checkpoint-77"],

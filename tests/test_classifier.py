@@ -30,19 +30,45 @@ def test_outputs_load_with_from_pretrained_and_pipeline(trained, digits):
     results = read_results(trained)
     assert results["global_step"] == 14 and results["num_processes"] == 1
     for key in ("train_runtime", "train_steps_per_second", "train_samples_per_second", "peak_memory_mb",
-                "final_loss", "eval_accuracy", "eval_f1", "best_eval_accuracy"):
+                "final_loss", "eval_accuracy", "eval_f1", "best_eval_accuracy", "test_accuracy", "test_f1",
+                "best_model_test_accuracy", "best_model_test_f1"):
         assert results[key] is not None, key
-    assert results["eval_samples"] == 360
+    assert results["eval_samples"] == 144 and results["test_samples"] == 360  # validation: 10% of the 1,437
     assert sorted(p.name for p in trained.glob("checkpoint-*")) == ["checkpoint-12", "checkpoint-8"]  # rotated
     assert (trained / "checkpoint-12/model/config.json").exists()  # from_pretrained form inside checkpoints
     assert list((trained / "logs").rglob("events.out.tfevents.*"))
-    assert "eval accuracy" in (trained / "README.md").read_text()
+    assert "validation accuracy" in (trained / "README.md").read_text()
+    assert "test accuracy" in (trained / "README.md").read_text()
     model = AutoModelForImageClassification.from_pretrained(trained)
     assert model.config.id2label[7] == "7"
     AutoModelForImageClassification.from_pretrained(trained / "best_model")
     classify = pipeline("image-classification", model=str(trained))
     predictions = classify(str(sorted((digits / "test").glob("*.png"))[0]))
     assert predictions[0]["label"] in [str(i) for i in range(10)]
+
+
+def test_best_model_is_chosen_on_a_validation_split_and_scored_on_the_test_split(trained, digits):
+    # The bug this pins: the per-epoch evaluation that picks best_model/ runs on the test split, and the metrics
+    # reported are those of that same split (an optimistic choice). The validation split is carved from train.
+    import torch
+    from transformers import AutoModelForImageClassification
+
+    from common.image_data import ImageDataset, collate_batch, label_ids, load_image_dataset
+    from train_classifier import parse_args
+
+    args = parse_args(["--train_data_dir", str(digits), "--output_dir", str(trained), *TINY])
+    train, validation, test = load_image_dataset(args, validation_split=args.train_val_split)
+    assert (len(train), len(validation), len(test)) == (304, 144, 360)
+    results = read_results(trained)
+    assert results["eval_samples"] == len(validation) and results["test_samples"] == len(test)
+    best = AutoModelForImageClassification.from_pretrained(trained / "best_model").eval()
+    labels = [best.config.id2label[i] for i in range(len(best.config.id2label))]
+    batch = collate_batch(ImageDataset(test, "image", 32, columns={"labels": label_ids(test, "label", labels)})
+                          .__getitems__(list(range(len(test)))))
+    with torch.no_grad():
+        predicted = best(pixel_values=batch["pixel_values"]).logits.argmax(-1)
+    accuracy = (predicted == batch["labels"]).float().mean().item()
+    assert abs(results["best_model_test_accuracy"] - accuracy) < 1.5 / len(test), (results, accuracy)
 
 
 def test_resume_and_sigterm_stop_match_the_uninterrupted_run(trained, digits, tmp_path):
@@ -69,7 +95,7 @@ def test_resume_and_sigterm_stop_match_the_uninterrupted_run(trained, digits, tm
     reference, resumed = logged_losses(trained), logged_losses(out)
     assert sorted(resumed) == list(range(9, 15))
     assert [resumed[s] for s in range(9, 15)] == [reference[s] for s in range(9, 15)]
-    for key in ("final_loss", "eval_accuracy", "eval_f1"):
+    for key in ("final_loss", "eval_accuracy", "eval_f1", "test_accuracy", "best_model_test_accuracy"):
         assert read_results(out)[key] == read_results(trained)[key], key
 
 
@@ -89,7 +115,7 @@ def test_two_processes_stop_on_sigterm_and_resume(digits, tmp_path):
     launch("train_classifier.py", *args, "--resume_from_checkpoint", "latest", config="cpu_2proc.yaml")
     results = read_results(out)
     assert results["num_processes"] == 2 and results["global_step"] == 40
-    assert results["eval_samples"] == 360  # gather_for_metrics drops the padding duplicates
+    assert results["eval_samples"] == 144 and results["test_samples"] == 360  # no padding duplicates counted
     assert (out / "model.safetensors").exists()
 
 
@@ -212,4 +238,4 @@ def test_classlabel_datasets_train_and_keep_the_class_names(class_datasets, layo
                       "--train_batch_size", "16", "--report_to", "none")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert AutoModelForImageClassification.from_pretrained(out).config.id2label == dict(enumerate(expected))
-    assert read_results(out)["eval_samples"] == 15
+    assert read_results(out)["eval_samples"] == 6 and read_results(out)["test_samples"] == 15

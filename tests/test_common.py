@@ -49,6 +49,23 @@ def test_loader_reads_imagefolder_and_checks_columns(digits):
         require_columns(train, caption_column="caption")
 
 
+def test_loader_carves_a_validation_split_from_train(digits):
+    import datasets
+
+    def files(ds):
+        return [value["path"] for value in ds.cast_column("image", datasets.Image(decode=False))["image"]]
+
+    train, validation, test = load_image_dataset(_data_args(train_data_dir=str(digits)), validation_split=0.1)
+    assert (len(train), len(validation), len(test)) == (1293, 144, 360)
+    assert not set(files(validation)) & set(files(train)) and not set(files(validation)) & set(files(test))
+    small, same_validation, _ = load_image_dataset(_data_args(train_data_dir=str(digits), max_train_samples=50),
+                                                   validation_split=0.1)
+    assert len(small) == 50 and files(same_validation) == files(validation)  # held out before the truncation
+    no_test, validation, test = load_image_dataset(_data_args(train_data_dir=str(digits), eval_split="nothing"),
+                                                   validation_split=0.1)
+    assert (len(no_test), len(validation), test) == (1293, 144, None)
+
+
 def test_label_ids_map_names_of_classlabel_and_plain_columns():
     # The bug this pins: a ClassLabel column's ints were looked up as names. Its ints index the ClassLabel's names.
     import datasets
