@@ -79,7 +79,8 @@ def main(args):
     from accelerate.utils import DataLoaderConfiguration, DistributedDataParallelKwargs, ProjectConfiguration, set_seed
     from tqdm.auto import tqdm
 
-    from common.checkpoints import checkpoint_step, load_checkpoint, resolve_resume, save_checkpoint
+    from common.checkpoints import (checkpoint_step, load_checkpoint, read_checkpoint_info, resolve_resume,
+                                    save_checkpoint)
     from common.image_data import (ImageDataset, collate_batch, label_ids, label_names, load_image_dataset,
                                    require_columns)
     from common.lr_schedulers import build_lr_scheduler
@@ -214,12 +215,15 @@ def main(args):
     logger.info(f"{len(train_data)} training images, {len(labels)} classes, {accelerator.num_processes} process(es), "
                 f"batch {total_batch_size}, {max_train_steps} optimizer steps over {num_train_epochs} epochs")
 
-    # 6. Resume: state, then the position in the epoch (the batches already seen are skipped, not replayed).
+    # 6. Resume: state, the best validation metric so far (best_model/ is replaced only by a better one), then the
+    #    position in the epoch (the batches already seen are skipped, not replayed).
     global_step, first_epoch, skip_batches = 0, 0, 0
+    best_key, best_metric = f"best_eval_{args.metric_for_best_model}", None
     resume_path = resolve_resume(args.resume_from_checkpoint, args.output_dir)
     if resume_path:
         load_checkpoint(accelerator, resume_path)
         global_step = checkpoint_step(resume_path)
+        best_metric = read_checkpoint_info(resume_path).get(best_key)
         first_epoch, skip_batches = resume_position(global_step, steps_per_epoch, args.gradient_accumulation_steps,
                                                     max_train_steps)
         logger.info(f"resumed from {resume_path} at step {global_step}")
@@ -228,10 +232,25 @@ def main(args):
     progress = tqdm(total=max_train_steps, initial=global_step, desc="steps",
                     disable=not accelerator.is_local_main_process)
     start_time, start_step = time.time(), global_step
-    best_metric, metrics, loss_sum, last_loss = None, {}, torch.zeros((), device=accelerator.device), None
+    metrics, loss_sum, last_loss = {}, torch.zeros((), device=accelerator.device), None
     skipped_steps = 0
     group_names = [group["name"] for group in optimizer.param_groups]
+
+    def evaluate_epoch(epoch):
+        """Validation metrics (gather_for_metrics drops the padding duplicates); best_model/ when they are the best."""
+        nonlocal metrics, best_metric
+        metrics = evaluate(model, eval_dataloader, forward, accelerator)
+        accelerator.log({f"eval/{k[5:]}": v for k, v in metrics.items()}, step=global_step)
+        logger.info(f"epoch {epoch}: validation accuracy {metrics['eval_accuracy']:.4f}, "
+                    f"macro-F1 {metrics['eval_f1']:.4f}")
+        current = metrics[f"eval_{args.metric_for_best_model}"]
+        if best_metric is None or current > best_metric:
+            best_metric = current
+            save_model(accelerator, model, processor, tokenizer, os.path.join(args.output_dir, "best_model"))
+
     try:
+        if resume_path and not skip_batches:  # a checkpoint of an epoch's last step was saved before its evaluation
+            evaluate_epoch(first_epoch - 1)
         for epoch in range(first_epoch, num_train_epochs):
             model.train()
             train_dataloader.set_epoch(epoch)  # shuffling order and augmentations: functions of (seed, epoch)
@@ -267,26 +286,18 @@ def main(args):
                 loss_sum.zero_()
                 stop = preemption.should_stop(global_step)  # SIGTERM/SIGINT: all processes agree
                 if global_step % args.checkpointing_steps == 0 or stop:
-                    checkpoint = save_checkpoint(accelerator, args.output_dir, global_step, args.checkpoints_total_limit)
+                    checkpoint = save_checkpoint(accelerator, args.output_dir, global_step, args.checkpoints_total_limit,
+                                                 info={best_key: best_metric})
                     if stop:  # the step is complete and saved: stop here
                         preemption.exit(checkpoint)
                 if global_step >= max_train_steps:
                     break
 
-            # 8. Evaluate every epoch (gather_for_metrics drops the padding duplicates); keep the best model.
-            metrics = evaluate(model, eval_dataloader, forward, accelerator)
-            accelerator.log({f"eval/{k[5:]}": v for k, v in metrics.items()}, step=global_step)
-            logger.info(f"epoch {epoch}: validation accuracy {metrics['eval_accuracy']:.4f}, "
-                        f"macro-F1 {metrics['eval_f1']:.4f}")
-            current = metrics[f"eval_{args.metric_for_best_model}"]
-            if best_metric is None or current > best_metric:
-                best_metric = current
-                save_model(accelerator, model, processor, tokenizer, os.path.join(args.output_dir, "best_model"))
+            # 8. Evaluate every epoch on the validation split; keep the best model.
+            evaluate_epoch(epoch)
             if global_step >= max_train_steps:
                 break
 
-        if not metrics:  # resumed from a checkpoint of the last step: nothing left to train, evaluate as is
-            metrics = evaluate(model, eval_dataloader, forward, accelerator)
         # 9. Save: the final model in from_pretrained form, a model card and the run summary.
         accelerator.wait_for_everyone()
         save_model(accelerator, model, processor, tokenizer, args.output_dir)
@@ -303,7 +314,7 @@ def main(args):
                 args.output_dir, global_step=global_step, start_time=start_time, steps_run=global_step - start_step,
                 samples_per_step=total_batch_size, final_loss=last_loss, device=accelerator.device,
                 num_processes=accelerator.num_processes,
-                metrics={**metrics, f"best_eval_{args.metric_for_best_model}": best_metric, **test_metrics,
+                metrics={**metrics, best_key: best_metric, **test_metrics,
                          "skipped_steps": skipped_steps})
             write_model_card(
                 args.output_dir, "Image classifier trained with train_classifier.py",

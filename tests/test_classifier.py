@@ -99,6 +99,43 @@ def test_resume_and_sigterm_stop_match_the_uninterrupted_run(trained, digits, tm
         assert read_results(out)[key] == read_results(trained)[key], key
 
 
+def test_a_resumed_run_keeps_the_best_model_of_the_uninterrupted_run(digits, tmp_path):
+    # The bug this pins: the best validation metric is not restored on resume, so the first epoch after a resume
+    # replaces best_model/ even when it is worse. Here epoch 1 is the best and epoch 2 is worse (checked below);
+    # both resumes, from the checkpoint of epoch 1's last step and from a SIGTERM stop inside epoch 2, must end
+    # with epoch 1's best_model/, as the uninterrupted run does.
+    args = ["--train_data_dir", digits, "--max_train_samples", "304", "--train_batch_size", "16", "--lr_scheduler",
+            "constant", "--learning_rate", "0.01", "--max_train_steps", "57", "--checkpointing_steps", "19",
+            "--logging_steps", "1"]  # 19 steps per epoch
+    reference = tmp_path / "reference"
+    launch("train_classifier.py", *args, "--output_dir", reference)
+    accuracy = logged_losses(reference, "eval/accuracy")
+    assert sorted(accuracy) == [19, 38, 57] and accuracy[38] > max(accuracy[19], accuracy[57]), accuracy
+    best = load_file(reference / "best_model/model.safetensors")
+
+    def assert_same_best_model(out):
+        weights = load_file(out / "best_model/model.safetensors")
+        assert not [k for k in best if not (best[k] == weights[k]).all()]
+        for key in ("best_eval_accuracy", "best_model_test_accuracy"):
+            assert read_results(out)[key] == read_results(reference)[key], key
+
+    # The checkpoint of an epoch's last step is saved before that epoch's evaluation (best_model/ not written yet).
+    from_epoch_end = tmp_path / "from_epoch_end"
+    from_epoch_end.mkdir()
+    shutil.copytree(reference / "checkpoint-38", from_epoch_end / "checkpoint-38")
+    launch("train_classifier.py", *args, "--output_dir", from_epoch_end, "--resume_from_checkpoint", "latest")
+    assert_same_best_model(from_epoch_end)
+
+    stopped = tmp_path / "stopped"
+    cmd = [sys.executable, ROOT / "train_classifier.py", *args, "--output_dir", stopped]
+    returncode, stderr = signal_when_ready(cmd, stopped / "checkpoint-38")
+    assert returncode == 143, stderr[-3000:]
+    stopped_at = max(int(p.name.split("-")[1]) for p in stopped.glob("checkpoint-*"))
+    assert 38 < stopped_at < 57, stopped_at
+    launch("train_classifier.py", *args, "--output_dir", stopped, "--resume_from_checkpoint", "latest")
+    assert_same_best_model(stopped)
+
+
 def test_two_processes_stop_on_sigterm_and_resume(digits, tmp_path):
     # torchrun (accelerate's multi-process launcher) forwards SIGTERM to both workers; they agree on the step,
     # both take part in save_state, and the resumed two-process run completes.
