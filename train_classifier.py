@@ -173,8 +173,8 @@ def main(args):
 
     with accelerator.main_process_first():
         train_data = ImageDataset(train_ds, args.image_column, args.resolution, center_crop=args.center_crop,
-                                  random_flip=args.random_flip, mean=mean, std=std, columns=columns(train_ds, "training"),
-                                  seed=args.seed)
+                                  random_flip=args.random_flip, mean=mean, std=std,
+                                  columns=columns(train_ds, "training"), seed=args.seed)
         eval_data = ImageDataset(eval_ds, args.image_column, args.resolution, center_crop=True, mean=mean, std=std,
                                  columns=columns(eval_ds, "validation"))
         test_data = None if test_ds is None else ImageDataset(
