@@ -327,9 +327,7 @@ def main(args):
                  "best model": f"best_model/ (by validation {args.metric_for_best_model})" + (
                      f", test accuracy {test_metrics['best_model_test_accuracy']:.4f}"
                      if "best_model_test_accuracy" in test_metrics else "")},
-                'from transformers import pipeline\n'
-                f'classify = pipeline("image-classification", model="{args.output_dir}")\n'
-                'print(classify("digit.png"))')
+                usage_snippet(args))
             logger.info(f"saved to {args.output_dir}: {results}")
     finally:
         progress.close()
@@ -360,6 +358,31 @@ def evaluate(model, dataloader, forward, accelerator, prefix="eval"):
     return {f"{prefix}_accuracy": (predictions == references).float().mean().item(),
             f"{prefix}_f1": macro_f1(predictions, references),
             f"{prefix}_samples": len(references)}
+
+
+def usage_snippet(args):
+    """The model card's code: transformers' pipeline for an image model; the image+text model is our own class (the
+    pipeline cannot load it), fed with the image processor and the tokenizer saved beside it."""
+    path = args.output_dir
+    if not args.text_column:
+        return ('from transformers import pipeline\n'
+                f'classify = pipeline("image-classification", model="{path}")\n'
+                'print(classify("digit.png"))')
+    return ('import torch\n'
+            'from PIL import Image\n'
+            'from transformers import AutoImageProcessor, AutoTokenizer\n'
+            '\n'
+            'from common.image_text_model import ImageTextClassifier  # common/ of the recipes, on the Python path\n'
+            '\n'
+            f'model = ImageTextClassifier.from_pretrained("{path}").eval()\n'
+            f'processor = AutoImageProcessor.from_pretrained("{path}")\n'
+            f'tokenizer = AutoTokenizer.from_pretrained("{os.path.join(path, "text_model")}")\n'
+            'image = processor(Image.open("digit.png").convert("RGB"), return_tensors="pt")\n'
+            f'text = tokenizer(["what the image\'s {args.text_column} column holds"], padding="max_length",\n'
+            f'                 truncation=True, max_length={args.max_text_length}, return_tensors="pt")\n'
+            'with torch.no_grad():\n'
+            '    logits = model(image["pixel_values"], text["input_ids"], text["attention_mask"])\n'
+            'print(model.id2label[logits.argmax(-1).item()])')
 
 
 def save_model(accelerator, model, processor, tokenizer, path):

@@ -24,7 +24,7 @@ def trained(digits, tmp_path_factory):
     return out
 
 
-def test_outputs_load_with_from_pretrained_and_pipeline(trained, digits):
+def test_outputs_load_with_from_pretrained_and_pipeline(trained, digits, tmp_path):
     from transformers import AutoModelForImageClassification, pipeline
 
     results = read_results(trained)
@@ -45,6 +45,7 @@ def test_outputs_load_with_from_pretrained_and_pipeline(trained, digits):
     classify = pipeline("image-classification", model=str(trained))
     predictions = classify(str(sorted((digits / "test").glob("*.png"))[0]))
     assert predictions[0]["label"] in [str(i) for i in range(10)]
+    assert "'label': '" in run_model_card_code(trained, digits, tmp_path / "card")["output"]
 
 
 def test_best_model_is_chosen_on_a_validation_split_and_scored_on_the_test_split(trained, digits):
@@ -222,6 +223,23 @@ def test_image_text_classifier_with_per_module_learning_rates(digits, tiny_text_
 
     tokenizer = AutoTokenizer.from_pretrained(out / "text_model")  # the tokenizer travels with the model
     assert tokenizer("a handwritten digit three")["input_ids"][1:-1] == [5, 6, 7, 11]
+    # The bug this pins: the model card's snippet is transformers' image-classification pipeline, which cannot load
+    # this model. The card's code must run as written and print one of the labels.
+    printed = run_model_card_code(out, digits, tmp_path / "card")
+    assert "pipeline(" not in printed["code"] and printed["output"] in [str(i) for i in range(10)], printed
+
+
+def run_model_card_code(model_dir, digits, folder):
+    """The python block of model_dir/README.md, run in `folder` next to a digit.png, with the recipes' folder on the
+    Python path (where common/ is): -> {"code": ..., "output": its last printed line}."""
+    card = (model_dir / "README.md").read_text()
+    code = card.split("```python\n", 1)[1].split("```", 1)[0]
+    folder.mkdir()
+    shutil.copy(sorted((digits / "test").glob("*.png"))[0], folder / "digit.png")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=folder, env=offline_env(), capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, code + proc.stderr[-3000:]
+    return {"code": code, "output": proc.stdout.strip().splitlines()[-1]}
 
 
 CLASSES = ["zero", "one", "two"]
