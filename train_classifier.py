@@ -2,9 +2,9 @@
 """Train an image (optionally image+text) classifier the accelerate way.
 
 The "basic scenario" of the seed notes, complete: mixed precision, gradient accumulation, TensorBoard/wandb,
-per-module learning rates, linear warm-up then cosine, gradient clipping, evaluation with gather_for_metrics,
-best-model saving, resumable checkpoints, and `save_pretrained` at the end (so `pipeline("image-classification")`
-loads the result).
+per-module learning rates, linear warm-up then cosine, gradient clipping, evaluation with gather_for_metrics on a
+validation split carved from train, best-model saving, test-split metrics at the end, resumable checkpoints, and
+`save_pretrained` (so `pipeline("image-classification")` loads the result).
 
 Built-in demo (scikit-learn's handwritten digits, a small ResNet from scratch, CPU):
     make train-classifier
@@ -33,7 +33,11 @@ from common.param_groups import parse_lr_groups
 
 def parse_args(argv=None):
     parser = make_parser(__doc__.splitlines()[0])
-    add_data_args(parser, resolution=32)
+    data = add_data_args(parser, resolution=32)
+    data.add_argument("--train_val_split", type=float, default=0.1,
+                      help="Share of the train split held out (fixed seed) as the validation split: the per-epoch "
+                           "evaluation and the choice of best_model/. --eval_split is the test split, reported at the "
+                           "end for the final model and best_model/ (nothing when the dataset has no such split).")
     g = parser.add_argument_group("model")
     g.add_argument("--label_column", default="label", help="Column that holds the class of each image.")
     g.add_argument("--model_name_or_path", default=None,
@@ -56,6 +60,8 @@ def parse_args(argv=None):
     add_logging_args(parser, project_name="train_classifier")
     args = parser.parse_args(argv)
     check_common_args(args)
+    if not 0 < args.train_val_split < 1:
+        parser.error(f"--train_val_split must be between 0 and 1 (exclusive), not {args.train_val_split}")
     if (args.text_column is None) != (args.text_model_name_or_path is None):
         parser.error("--text_column and --text_model_name_or_path go together")
     if args.model_name_or_path:
@@ -73,8 +79,10 @@ def main(args):
     from accelerate.utils import DataLoaderConfiguration, DistributedDataParallelKwargs, ProjectConfiguration, set_seed
     from tqdm.auto import tqdm
 
-    from common.checkpoints import checkpoint_step, load_checkpoint, resolve_resume, save_checkpoint
-    from common.image_data import ImageDataset, collate_batch, label_names, load_image_dataset, require_columns
+    from common.checkpoints import (checkpoint_step, load_checkpoint, read_checkpoint_info, resolve_resume,
+                                    save_checkpoint)
+    from common.image_data import (ImageDataset, collate_batch, label_ids, label_names, load_image_dataset,
+                                   require_columns)
     from common.lr_schedulers import build_lr_scheduler
     from common.model_card import write_model_card
     from common.nonfinite_loss import finite_step
@@ -102,19 +110,13 @@ def main(args):
     if args.allow_tf32:
         torch.backends.cuda.matmul.allow_tf32 = True
 
-    # 2. Data: labels -> ids, images decoded once; text tokenized once.
-    train_ds, eval_ds = load_image_dataset(args)
+    # 2. Data: labels -> ids, images decoded once; text tokenized once. eval: the validation split carved from train
+    #    (per-epoch metrics, best_model/); test: --eval_split, evaluated only at the end (None if the dataset lacks it).
+    train_ds, eval_ds, test_ds = load_image_dataset(args, validation_split=args.train_val_split)
     text_columns = {"text_column": args.text_column} if args.text_column else {}
-    for ds in (train_ds, eval_ds):
+    for ds in [ds for ds in (train_ds, eval_ds, test_ds) if ds is not None]:
         require_columns(ds, image_column=args.image_column, label_column=args.label_column, **text_columns)
     labels = label_names(train_ds, args.label_column)
-    label2id = {name: i for i, name in enumerate(labels)}
-
-    def label_ids(ds):
-        unknown = {str(v) for v in ds[args.label_column]} - set(label2id)
-        if unknown:
-            raise UserError(f"evaluation labels {sorted(unknown)[:5]} do not occur in the training split")
-        return torch.tensor([label2id[str(v)] for v in ds[args.label_column]])
 
     tokenizer = None
     if args.text_column:
@@ -124,8 +126,8 @@ def main(args):
 
         tokenizer = AutoTokenizer.from_pretrained(args.text_model_name_or_path)
 
-    def columns(ds):
-        cols = {"labels": label_ids(ds)}
+    def columns(ds, split):
+        cols = {"labels": label_ids(ds, args.label_column, labels, split)}
         if tokenizer is not None:
             tokens = tokenizer(list(ds[args.text_column]), padding="max_length", truncation=True,
                                max_length=args.max_text_length, return_tensors="pt")
@@ -171,15 +173,20 @@ def main(args):
 
     with accelerator.main_process_first():
         train_data = ImageDataset(train_ds, args.image_column, args.resolution, center_crop=args.center_crop,
-                                  random_flip=args.random_flip, mean=mean, std=std, columns=columns(train_ds),
-                                  seed=args.seed)
+                                  random_flip=args.random_flip, mean=mean, std=std,
+                                  columns=columns(train_ds, "training"), seed=args.seed)
         eval_data = ImageDataset(eval_ds, args.image_column, args.resolution, center_crop=True, mean=mean, std=std,
-                                 columns=columns(eval_ds))
+                                 columns=columns(eval_ds, "validation"))
+        test_data = None if test_ds is None else ImageDataset(
+            test_ds, args.image_column, args.resolution, center_crop=True, mean=mean, std=std,
+            columns=columns(test_ds, "test"))
     train_dataloader = torch.utils.data.DataLoader(
         train_data, batch_size=args.train_batch_size, shuffle=True, num_workers=args.dataloader_num_workers,
         collate_fn=collate_batch, generator=torch.Generator().manual_seed(args.seed))  # own RNG: the global one stays
-    eval_dataloader = torch.utils.data.DataLoader(eval_data, batch_size=args.eval_batch_size,
-                                                  num_workers=args.dataloader_num_workers, collate_fn=collate_batch)
+    eval_dataloader, test_dataloader = [
+        None if data is None else torch.utils.data.DataLoader(
+            data, batch_size=args.eval_batch_size, num_workers=args.dataloader_num_workers, collate_fn=collate_batch)
+        for data in (eval_data, test_data)]
 
     # 4. Optimizer on per-module parameter groups; warm-up -> cosine counted in optimizer steps.
     # fused AdamW: one kernel for all parameters (3-4x faster than the default per-tensor loop on CPU and GPU).
@@ -195,6 +202,8 @@ def main(args):
     # 5. prepare, hooks (checkpoints hold the model in from_pretrained form), then the exact step counts.
     model, optimizer, train_dataloader, eval_dataloader, lr_scheduler = accelerator.prepare(
         model, optimizer, train_dataloader, eval_dataloader, lr_scheduler)
+    if test_dataloader is not None:
+        test_dataloader = accelerator.prepare(test_dataloader)
     register_state_hooks(accelerator, {"model": accelerator.unwrap_model(model, keep_torch_compile=False)})
     steps_per_epoch, max_train_steps, num_train_epochs = plan_steps(
         len(train_dataloader), args.gradient_accumulation_steps, args.num_train_epochs, args.max_train_steps)
@@ -210,12 +219,15 @@ def main(args):
     # on every process); resuming restores every process's generators.
     set_seed(args.seed, device_specific=True)
 
-    # 6. Resume: state, then the position in the epoch (the batches already seen are skipped, not replayed).
+    # 6. Resume: state, the best validation metric so far (best_model/ is replaced only by a better one), then the
+    #    position in the epoch (the batches already seen are skipped, not replayed).
     global_step, first_epoch, skip_batches = 0, 0, 0
+    best_key, best_metric = f"best_eval_{args.metric_for_best_model}", None
     resume_path = resolve_resume(args.resume_from_checkpoint, args.output_dir)
     if resume_path:
         load_checkpoint(accelerator, resume_path)
         global_step = checkpoint_step(resume_path)
+        best_metric = read_checkpoint_info(resume_path).get(best_key)
         first_epoch, skip_batches = resume_position(global_step, steps_per_epoch, args.gradient_accumulation_steps,
                                                     max_train_steps)
         logger.info(f"resumed from {resume_path} at step {global_step}")
@@ -224,10 +236,25 @@ def main(args):
     progress = tqdm(total=max_train_steps, initial=global_step, desc="steps",
                     disable=not accelerator.is_local_main_process)
     start_time, start_step = time.time(), global_step
-    best_metric, metrics, loss_sum, last_loss = None, {}, torch.zeros((), device=accelerator.device), None
+    metrics, loss_sum, last_loss = {}, torch.zeros((), device=accelerator.device), None
     skipped_steps = 0
     group_names = [group["name"] for group in optimizer.param_groups]
+
+    def evaluate_epoch(epoch):
+        """Validation metrics (gather_for_metrics drops the padding duplicates); best_model/ when they are the best."""
+        nonlocal metrics, best_metric
+        metrics = evaluate(model, eval_dataloader, forward, accelerator)
+        accelerator.log({f"eval/{k[5:]}": v for k, v in metrics.items()}, step=global_step)
+        logger.info(f"epoch {epoch}: validation accuracy {metrics['eval_accuracy']:.4f}, "
+                    f"macro-F1 {metrics['eval_f1']:.4f}")
+        current = metrics[f"eval_{args.metric_for_best_model}"]
+        if best_metric is None or current > best_metric:
+            best_metric = current
+            save_model(accelerator, model, processor, tokenizer, os.path.join(args.output_dir, "best_model"))
+
     try:
+        if resume_path and not skip_batches:  # a checkpoint of an epoch's last step was saved before its evaluation
+            evaluate_epoch(first_epoch - 1)
         for epoch in range(first_epoch, num_train_epochs):
             model.train()
             train_dataloader.set_epoch(epoch)  # shuffling order and augmentations: functions of (seed, epoch)
@@ -263,45 +290,48 @@ def main(args):
                 loss_sum.zero_()
                 stop = preemption.should_stop(global_step)  # SIGTERM/SIGINT: all processes agree
                 if global_step % args.checkpointing_steps == 0 or stop:
-                    checkpoint = save_checkpoint(accelerator, args.output_dir, global_step, args.checkpoints_total_limit)
+                    checkpoint = save_checkpoint(accelerator, args.output_dir, global_step, args.checkpoints_total_limit,
+                                                 info={best_key: best_metric})
                     if stop:  # the step is complete and saved: stop here
                         preemption.exit(checkpoint)
                 if global_step >= max_train_steps:
                     break
 
-            # 8. Evaluate every epoch (gather_for_metrics drops the padding duplicates); keep the best model.
-            metrics = evaluate(model, eval_dataloader, forward, accelerator)
-            accelerator.log({f"eval/{k[5:]}": v for k, v in metrics.items()}, step=global_step)
-            logger.info(f"epoch {epoch}: accuracy {metrics['eval_accuracy']:.4f}, macro-F1 {metrics['eval_f1']:.4f}")
-            current = metrics[f"eval_{args.metric_for_best_model}"]
-            if best_metric is None or current > best_metric:
-                best_metric = current
-                save_model(accelerator, model, processor, tokenizer, os.path.join(args.output_dir, "best_model"))
+            # 8. Evaluate every epoch on the validation split; keep the best model.
+            evaluate_epoch(epoch)
             if global_step >= max_train_steps:
                 break
 
-        if not metrics:  # resumed from a checkpoint of the last step: nothing left to train, evaluate as is
-            metrics = evaluate(model, eval_dataloader, forward, accelerator)
         # 9. Save: the final model in from_pretrained form, a model card and the run summary.
         accelerator.wait_for_everyone()
         save_model(accelerator, model, processor, tokenizer, args.output_dir)
+        best_dir = os.path.join(args.output_dir, "best_model")
+        test_metrics = {}
+        if test_dataloader is not None:  # the final model, then best_model/ (its weights loaded into the model)
+            test_metrics = evaluate(model, test_dataloader, forward, accelerator, prefix="test")
+            if os.path.isdir(best_dir):
+                unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)
+                unwrapped.load_state_dict(type(unwrapped).from_pretrained(best_dir).state_dict())
+                test_metrics.update(evaluate(model, test_dataloader, forward, accelerator, prefix="best_model_test"))
         if accelerator.is_main_process:
             results = write_all_results(
                 args.output_dir, global_step=global_step, start_time=start_time, steps_run=global_step - start_step,
                 samples_per_step=total_batch_size, final_loss=last_loss, device=accelerator.device,
                 num_processes=accelerator.num_processes,
-                metrics={**metrics, f"best_eval_{args.metric_for_best_model}": best_metric,
+                metrics={**metrics, best_key: best_metric, **test_metrics,
                          "skipped_steps": skipped_steps})
             write_model_card(
                 args.output_dir, "Image classifier trained with train_classifier.py",
                 f"Trained on `{args.dataset_name or args.train_data_dir}` for {global_step} optimizer steps.",
                 {"base model": args.model_name_or_path or "ResNet from scratch", "labels": ", ".join(labels),
-                 "eval accuracy": f"{metrics.get('eval_accuracy', float('nan')):.4f}",
-                 "eval macro-F1": f"{metrics.get('eval_f1', float('nan')):.4f}",
-                 "best model": "best_model/ (by " + args.metric_for_best_model + ")"},
-                'from transformers import pipeline\n'
-                f'classify = pipeline("image-classification", model="{args.output_dir}")\n'
-                'print(classify("digit.png"))')
+                 "validation accuracy": f"{metrics['eval_accuracy']:.4f}",
+                 "validation macro-F1": f"{metrics['eval_f1']:.4f}",
+                 **({"test accuracy": f"{test_metrics['test_accuracy']:.4f}",
+                     "test macro-F1": f"{test_metrics['test_f1']:.4f}"} if test_metrics else {}),
+                 "best model": f"best_model/ (by validation {args.metric_for_best_model})" + (
+                     f", test accuracy {test_metrics['best_model_test_accuracy']:.4f}"
+                     if "best_model_test_accuracy" in test_metrics else "")},
+                usage_snippet(args))
             logger.info(f"saved to {args.output_dir}: {results}")
     finally:
         progress.close()
@@ -315,7 +345,7 @@ def small_resnet_config(config_class, num_labels, id2label=None):
                         layer_type="basic", downsample_in_first_stage=False, num_labels=num_labels, **extra)
 
 
-def evaluate(model, dataloader, forward, accelerator):
+def evaluate(model, dataloader, forward, accelerator, prefix="eval"):
     import torch
 
     from common.classifier_metrics import macro_f1
@@ -329,9 +359,34 @@ def evaluate(model, dataloader, forward, accelerator):
             references.append(refs.cpu())
     model.train()
     predictions, references = torch.cat(predictions), torch.cat(references)
-    return {"eval_accuracy": (predictions == references).float().mean().item(),
-            "eval_f1": macro_f1(predictions, references),
-            "eval_samples": len(references)}
+    return {f"{prefix}_accuracy": (predictions == references).float().mean().item(),
+            f"{prefix}_f1": macro_f1(predictions, references),
+            f"{prefix}_samples": len(references)}
+
+
+def usage_snippet(args):
+    """The model card's code: transformers' pipeline for an image model; the image+text model is our own class (the
+    pipeline cannot load it), fed with the image processor and the tokenizer saved beside it."""
+    path = args.output_dir
+    if not args.text_column:
+        return ('from transformers import pipeline\n'
+                f'classify = pipeline("image-classification", model="{path}")\n'
+                'print(classify("digit.png"))')
+    return ('import torch\n'
+            'from PIL import Image\n'
+            'from transformers import AutoImageProcessor, AutoTokenizer\n'
+            '\n'
+            'from common.image_text_model import ImageTextClassifier  # common/ of the recipes, on the Python path\n'
+            '\n'
+            f'model = ImageTextClassifier.from_pretrained("{path}").eval()\n'
+            f'processor = AutoImageProcessor.from_pretrained("{path}")\n'
+            f'tokenizer = AutoTokenizer.from_pretrained("{os.path.join(path, "text_model")}")\n'
+            'image = processor(Image.open("digit.png").convert("RGB"), return_tensors="pt")\n'
+            f'text = tokenizer(["what the image\'s {args.text_column} column holds"], padding="max_length",\n'
+            f'                 truncation=True, max_length={args.max_text_length}, return_tensors="pt")\n'
+            'with torch.no_grad():\n'
+            '    logits = model(image["pixel_values"], text["input_ids"], text["attention_mask"])\n'
+            'print(model.id2label[logits.argmax(-1).item()])')
 
 
 def save_model(accelerator, model, processor, tokenizer, path):

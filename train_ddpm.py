@@ -134,7 +134,8 @@ def main(args):
 
     from common.checkpoints import checkpoint_step, load_checkpoint, save_checkpoint
     from common.classifier_metrics import ClassifierScorer
-    from common.image_data import ImageDataset, collate_batch, label_names, load_image_dataset, require_columns
+    from common.image_data import (ImageDataset, collate_batch, label_ids, label_names, load_image_dataset,
+                                   require_columns)
     from common.lr_schedulers import build_lr_scheduler
     from common.model_card import write_model_card
     from common.param_groups import build_param_groups
@@ -169,8 +170,7 @@ def main(args):
     null_class = len(labels)
     columns = {}
     if labels:
-        label2id = {name: i for i, name in enumerate(labels)}
-        columns["class_labels"] = torch.tensor([label2id[str(v)] for v in train_ds[args.class_column]])
+        columns["class_labels"] = label_ids(train_ds, args.class_column, labels)
     with accelerator.main_process_first():
         train_data = ImageDataset(train_ds, args.image_column, args.resolution, center_crop=args.center_crop,
                                   random_flip=args.random_flip, columns=columns, seed=args.seed)

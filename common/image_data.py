@@ -19,9 +19,14 @@ from .cli import UserError
 logger = logging.getLogger(__name__)
 
 
-def load_image_dataset(args, carve_eval=True):
+def load_image_dataset(args, carve_eval=True, validation_split=None):
     """-> (train, eval) `datasets.Dataset`s. eval is `args.eval_split`, else 10% carved from train (fixed seed),
-    else None when `carve_eval` is False (training that evaluates nothing keeps all its data)."""
+    else None when `carve_eval` is False (training that evaluates nothing keeps all its data).
+
+    With `validation_split` (a share of train) -> (train, validation, test): the validation split is always carved
+    from train (fixed seed), and test is `args.eval_split`, or None when the dataset has no such split.
+    `--max_train_samples` truncates train after the carving: the held-out images do not depend on it.
+    """
     import datasets
 
     try:
@@ -39,15 +44,21 @@ def load_image_dataset(args, carve_eval=True):
     train = loaded["train"]
     if len(train) == 0:
         raise UserError("the dataset's train split is empty")
-    evaluation = None
-    if args.eval_split in loaded:
-        evaluation = loaded[args.eval_split]
-    elif carve_eval:
-        parts = train.train_test_split(test_size=0.1, seed=args.seed)
-        train, evaluation = parts["train"], parts["test"]
+    evaluation = loaded[args.eval_split] if args.eval_split in loaded else None
+    carved = None
+    if validation_split is not None or (evaluation is None and carve_eval):
+        share = validation_split if validation_split is not None else 0.1
+        try:
+            parts = train.train_test_split(test_size=share, seed=args.seed)
+        except ValueError:  # no image would be left on one side
+            raise UserError(f"the train split has {len(train)} image(s): too few to hold out {share:g} of them for "
+                            "evaluation") from None
+        train, carved = parts["train"], parts["test"]
     if args.max_train_samples is not None:
         train = train.select(range(min(args.max_train_samples, len(train))))
-    return train, evaluation
+    if validation_split is not None:
+        return train, carved, evaluation
+    return train, evaluation if evaluation is not None else carved
 
 
 def require_columns(dataset, **columns):
@@ -64,6 +75,27 @@ def label_names(dataset, column):
     if hasattr(feature, "names"):
         return list(feature.names)
     return [str(value) for value in sorted(set(dataset[column]))]
+
+
+def label_ids(dataset, column, names, split="training"):
+    """The class id of every row (a tensor): the position of its name in `names` (label_names of the training split).
+
+    A ClassLabel stores ints that index its own names: they are read as names, so every split maps by name alike.
+    A label that `names` lacks is a one-line error naming `split`.
+    """
+    feature = dataset.features[column]
+    values = dataset[column]
+    if hasattr(feature, "names"):
+        missing = sorted({v for v in values if not 0 <= v < len(feature.names)})
+        if missing:  # -1 is how datasets marks a row without a label
+            raise UserError(f"the {split} split has rows without a class in '{column}' (values {missing[:5]})")
+        values = [feature.names[v] for v in values]
+    position = {name: i for i, name in enumerate(names)}
+    values = [str(v) for v in values]
+    unknown = set(values) - set(position)
+    if unknown:
+        raise UserError(f"{split} labels {sorted(unknown)[:5]} do not occur in the training split")
+    return torch.tensor([position[v] for v in values])
 
 
 def to_rgb(image):

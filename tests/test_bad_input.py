@@ -58,6 +58,7 @@ CLASSIFIER = [
     case("unknown-lr-scheduler", ["--lr_scheduler", "warmup_sine"], "--lr_scheduler", "invalid choice",
          "warmup_cosine"),
     case("zero-resolution", ["--resolution", "0"], "--resolution"),
+    case("train-val-split-of-one", ["--train_val_split", "1"], "--train_val_split must be between 0 and 1"),
     case("lr-groups-syntax", ["--lr_groups", "resnet"], "--lr_groups"),
     case("text-column-alone", ["--text_column", "text"], "go together"),
     case("resume-from-missing-checkpoint", ["--resume_from_checkpoint", "checkpoint-77"],
@@ -342,8 +343,10 @@ def test_disk_full_while_saving_keeps_the_previous_checkpoint(classifier_run, tm
     mounted = IS_ROOT and shutil.which("mount") and subprocess.run(
         ["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(out)], capture_output=True).returncode == 0
     try:
-        shutil.copytree(classifier_run["out"] / "checkpoint-2", out / "checkpoint-2")
-        before = snapshot(out / "checkpoint-2")
+        # checkpoint-1 lies inside epoch 0, so the first write of the resumed run is checkpoint-2 (from a checkpoint of
+        # an epoch's last step, the run would first evaluate that epoch and write best_model/).
+        shutil.copytree(classifier_run["out"] / "checkpoint-1", out / "checkpoint-1")
+        before = snapshot(out / "checkpoint-1")
         if mounted:
             fill_up(out)
 
@@ -358,13 +361,13 @@ def test_disk_full_while_saving_keeps_the_previous_checkpoint(classifier_run, tm
                "--train_batch_size", "4", "--report_to", "none", "--resume_from_checkpoint", "latest"]
         proc = subprocess.run(cmd, cwd=ROOT, env=offline_env(), capture_output=True, text=True, timeout=300,
                               preexec_fn=None if mounted else cap_file_size)
-        line = assert_one_line_error(proc, "cannot save checkpoint-3", "the previous checkpoint",
-                                     "checkpoint-2 is intact", "--resume_from_checkpoint latest")
+        line = assert_one_line_error(proc, "cannot save checkpoint-2", "the previous checkpoint",
+                                     "checkpoint-1 is intact", "--resume_from_checkpoint latest")
         assert ("no space left on device" if mounted else "file too large") in line
-        assert snapshot(out / "checkpoint-2") == before
-        assert sorted(p.name for p in out.iterdir()) == sorted(["checkpoint-2", *(["filler"] if mounted else [])])
-        assert resolve_resume("latest", str(out)) == str(out / "checkpoint-2")
-        assert load_file(out / "checkpoint-2" / "model" / "model.safetensors")  # still readable
+        assert snapshot(out / "checkpoint-1") == before
+        assert sorted(p.name for p in out.iterdir()) == sorted(["checkpoint-1", *(["filler"] if mounted else [])])
+        assert resolve_resume("latest", str(out)) == str(out / "checkpoint-1")
+        assert load_file(out / "checkpoint-1" / "model" / "model.safetensors")  # still readable
     finally:
         if mounted:
             subprocess.run(["umount", str(out)], check=False)

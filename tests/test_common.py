@@ -13,8 +13,8 @@ from PIL import Image
 from common.accelerate_config import check as check_accelerate_config
 from common.checkpoints import list_checkpoints, resolve_resume, save_checkpoint
 from common.cli import UserError
-from common.image_data import (ImageDataset, collate_batch, label_names, load_image_dataset, require_columns,
-                               resize_shorter_side, to_rgb)
+from common.image_data import (ImageDataset, collate_batch, label_ids, label_names, load_image_dataset,
+                               require_columns, resize_shorter_side, to_rgb)
 from common.param_groups import build_param_groups, parse_lr_groups
 from common.trackers import sanitize_config
 from common.training_steps import plan_steps, resume_position
@@ -47,6 +47,46 @@ def test_loader_reads_imagefolder_and_checks_columns(digits):
     require_columns(train, image_column="image", label_column="label")
     with pytest.raises(UserError, match="'caption' is not a column.*columns are: image, label, text"):
         require_columns(train, caption_column="caption")
+
+
+def test_loader_carves_a_validation_split_from_train(digits):
+    import datasets
+
+    def files(ds):
+        return [value["path"] for value in ds.cast_column("image", datasets.Image(decode=False))["image"]]
+
+    train, validation, test = load_image_dataset(_data_args(train_data_dir=str(digits)), validation_split=0.1)
+    assert (len(train), len(validation), len(test)) == (1293, 144, 360)
+    assert not set(files(validation)) & set(files(train)) and not set(files(validation)) & set(files(test))
+    small, same_validation, _ = load_image_dataset(_data_args(train_data_dir=str(digits), max_train_samples=50),
+                                                   validation_split=0.1)
+    assert len(small) == 50 and files(same_validation) == files(validation)  # held out before the truncation
+    no_test, validation, test = load_image_dataset(_data_args(train_data_dir=str(digits), eval_split="nothing"),
+                                                   validation_split=0.1)
+    assert (len(no_test), len(validation), test) == (1293, 144, None)
+
+
+def test_label_ids_map_names_of_classlabel_and_plain_columns():
+    # The bug this pins: a ClassLabel column's ints were looked up as names. Its ints index the ClassLabel's names.
+    import datasets
+
+    classlabel = datasets.Features({"label": datasets.ClassLabel(names=["cat", "dog", "ant"])})
+    train = datasets.Dataset.from_dict({"label": [2, 0, 1, 0]}, features=classlabel)
+    names = label_names(train, "label")
+    assert names == ["cat", "dog", "ant"] and label_ids(train, "label", names).tolist() == [2, 0, 1, 0]
+    reordered = datasets.Dataset.from_dict(  # another split whose ClassLabel lists the names in another order
+        {"label": [0, 1]}, features=datasets.Features({"label": datasets.ClassLabel(names=["dog", "ant", "cat"])}))
+    assert label_ids(reordered, "label", names, "evaluation").tolist() == [1, 2]
+    unlabeled = datasets.Dataset.from_dict({"label": [0, -1]}, features=classlabel)
+    with pytest.raises(UserError, match=r"the test split has rows without a class in 'label' \(values \[-1\]\)"):
+        label_ids(unlabeled, "label", names, "test")
+
+    plain = datasets.Dataset.from_dict({"label": [10, 9, 2, 9]})
+    names = label_names(plain, "label")
+    assert names == ["2", "9", "10"] and label_ids(plain, "label", names).tolist() == [2, 1, 0, 1]
+    other = datasets.Dataset.from_dict({"label": [2, 7]})
+    with pytest.raises(UserError, match=r"evaluation labels \['7'\] do not occur in the training split"):
+        label_ids(other, "label", names, "evaluation")
 
 
 def test_images_of_every_mode_become_rgb():

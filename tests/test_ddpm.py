@@ -260,3 +260,26 @@ def test_sample_py_bad_input(trained, unconditional_model, tmp_path):
         out = tmp_path / "out"
         line = assert_one_line_error(run_script("sample.py", *args, "--output_dir", out), needle)
         assert not out.exists(), line
+
+
+@pytest.mark.parametrize("layout", ["imagefolder", "parquet"])
+def test_classlabel_datasets_train_and_keep_the_class_names(digits, layout, tmp_path):
+    # The bug this pins: a ClassLabel class column (hub datasets such as CIFAR-10; an imagefolder with one subfolder
+    # per class) stops the run with KeyError: '0' (the ClassLabel's ints looked up as names).
+    import datasets
+
+    from test_classifier import write_class_datasets
+
+    folder, parquet = write_class_datasets(digits, tmp_path / "data", per_class=(8, 2))
+    source = ["--train_data_dir", folder] if layout == "imagefolder" else ["--dataset_name", parquet]
+    loaded = (datasets.load_dataset("imagefolder", data_dir=str(folder)) if layout == "imagefolder"
+              else datasets.load_dataset(str(parquet)))
+    names = loaded["train"].features["label"].names
+    assert names == (["one", "two", "zero"] if layout == "imagefolder" else ["zero", "one", "two"])
+    out = tmp_path / "out"
+    proc = run_script("train_ddpm.py", *source, "--output_dir", out, "--class_column", "label", "--resolution", "8",
+                      "--block_out_channels", "16,32", "--train_batch_size", "8", "--max_train_steps", "2",
+                      "--ddpm_num_steps", "100", "--num_validation_images", "1", "--validation_inference_steps", "2",
+                      "--report_to", "none")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads((out / "labels.json").read_text()) == names
