@@ -17,11 +17,11 @@ CPU_MALLOC := MALLOC_MMAP_THRESHOLD_=33554432 MALLOC_TRIM_THRESHOLD_=268435456
 LAUNCH_ENV := $(if $(findstring cpu,$(notdir $(CONFIG))),ACCELERATE_USE_CPU=1 $(CPU_MALLOC),)
 # `accelerate launch` through common/launch.py: a script's one error line stays the last word (no launcher traceback),
 # and a Ctrl-C waits for the checkpoint the training processes write.
-LAUNCH := $(PY) -m common.accelerate_config $(CONFIG) && $(LAUNCH_ENV) $(PY) -m common.launch --config_file $(CONFIG)
+LAUNCH := $(LAUNCH_ENV) $(PY) -m common.launch --config_file $(CONFIG)
 ARGS ?=
 DIGITS := data/digits/train/metadata.jsonl
 
-.PHONY: install data env train-classifier train-ddpm sample-ddpm tiny-sd train-lora sample-lora inspect test clean
+.PHONY: install lint data env train-classifier train-ddpm sample-ddpm tiny-sd train-lora sample-lora inspect test clean
 
 install: $(VENV)/.installed
 $(VENV)/.installed: requirements.txt
@@ -32,7 +32,7 @@ $(VENV)/.installed: requirements.txt
 
 data: $(DIGITS)
 $(DIGITS): | install
-	$(PY) -m common.digits_data --output_dir data/digits
+	$(PY) -m demo.digits --output_dir data/digits
 
 env: install
 	$(ACCELERATE) env
@@ -56,7 +56,7 @@ sample-ddpm: install
 TINY_SD := models/tiny-sd/model_index.json
 tiny-sd: $(TINY_SD)
 $(TINY_SD): | install
-	$(PY) -m common.tiny_sd --output_dir models/tiny-sd
+	$(PY) -m demo.tiny_sd --output_dir models/tiny-sd
 
 # The LoRA demo: the tiny base, the digits captions. One thread per CPU process: the models are small, and on a
 # shared CPU several threads per process spin against each other (measured 5-10x slower).
@@ -83,7 +83,11 @@ inspect: $(TINY_SD)
 	OMP_NUM_THREADS=1 $(PY) inspect_pipeline.py $(or $(MODEL),models/tiny-sd) --trace --num_inference_steps 4 \
 	  --save_trajectory $(or $(OUTPUT),outputs/inspect)/trajectory.png --trajectory_steps 4 $(ARGS)
 
-test: install
+# pyflakes, pycodestyle (120 columns) and import order, settings in pyproject.toml; `make test` runs it first.
+lint: install
+	$(PY) -m ruff check .
+
+test: lint
 	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(PY) -m pytest -q tests $(ARGS)
 
 # Each recipe against a hand-written reference loop, --help latency, sample.py images/s (tests/benchmarks/):

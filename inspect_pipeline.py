@@ -27,7 +27,8 @@ import re
 from common.args import check_writable, make_parser, non_negative_int, positive_int
 from common.cli import UserError, run
 from common.diffusion import DEFAULT_GUIDANCE_SCALE
-from common.sd_pipeline import LORA_WEIGHTS, TINY_HINT, check_safetensors, read_lora_info
+from common.stable_diffusion import LORA_WEIGHTS, TINY_HINT, check_safetensors, read_lora_info
+
 # common.call_recorder, the pipelines and torch are imported in main(): --help and flag errors answer at once.
 
 DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
@@ -442,7 +443,7 @@ def trace(pipe, args, labels, device):
         report["trajectory"] = [{k: v for k, v in p.items() if k != "x0"} for p in rec.x0]
         x0 = torch.cat([p["x0"] for p in rec.x0])
         if sd:  # decoded after the call, so not traced; in fp32, as fp16 VAEs decode to black
-            from common.sd_pipeline import decode_fp32
+            from common.stable_diffusion import decode_fp32
             panels = decode_fp32(pipe, x0.to(device))
         else:
             panels = to_pil((x0 / 2 + 0.5).clamp(0, 1))

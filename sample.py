@@ -26,9 +26,9 @@ def parse_args(argv=None):
     parser.add_argument("--batch_size", type=positive_int, default=16)
     parser.add_argument("--seed", type=non_negative_int, default=0)
     parser.add_argument("--scheduler", default=None, choices=sorted(SCHEDULER_CLASSES),
-                        help=f"Default: {DEFAULT_SCHEDULER} for train_ddpm.py outputs, {SD_SCHEDULER} (DPM-Solver++) for "
-                             "Stable Diffusion; built with the noise schedule and prediction type the model was "
-                             "trained with.")
+                        help=f"Default: {DEFAULT_SCHEDULER} for train_ddpm.py outputs, {SD_SCHEDULER} "
+                             "(DPM-Solver++) for Stable Diffusion; built with the noise schedule and prediction "
+                             "type the model was trained with.")
     parser.add_argument("--num_inference_steps", type=positive_int, default=None)
     parser.add_argument("--guidance_scale", type=positive_float, default=None)
     parser.add_argument("--device", default=None, help="Default: cuda when available, else cpu.")
@@ -139,8 +139,13 @@ def sample_ddpm(args):
     from diffusers import DDPMScheduler, UNet2DModel
     from diffusers.utils import logging as diffusers_logging
 
-    from common.diffusion import (DEFAULT_GUIDANCE_SCALE, DEFAULT_INFERENCE_STEPS, sample_images, sampling_scheduler,
-                                  to_pil)
+    from common.diffusion import (
+        DEFAULT_GUIDANCE_SCALE,
+        DEFAULT_INFERENCE_STEPS,
+        sample_images,
+        sampling_scheduler,
+        to_pil,
+    )
 
     device, dtype = choose_device_and_dtype(args)
     verbosity = diffusers_logging.get_verbosity()
@@ -178,8 +183,14 @@ def sample_ddpm(args):
 def sample_sd(args):
     """A Stable Diffusion pipeline (hub id or folder) with --lora PATH[:SCALE]..., or a train_lora.py output or
     checkpoint-N (its base is read from its lora_info.json). Image j of every prompt starts from seed + j."""
-    from common.sd_pipeline import (LORA_WEIGHTS, check_safetensors, check_sd_pipeline, decode_fp32, load_error,
-                                    read_lora_info)
+    from common.stable_diffusion import (
+        LORA_WEIGHTS,
+        check_safetensors,
+        check_sd_pipeline,
+        decode_fp32,
+        load_error,
+        read_lora_info,
+    )
 
     if args.class_label or args.no_ema:
         raise UserError(f"--class_label/--no_ema are for train_ddpm.py models; '{args.model}' is Stable Diffusion")

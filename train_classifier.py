@@ -25,10 +25,18 @@ import math
 import os
 import time
 
-from common.args import (add_checkpoint_args, add_data_args, add_logging_args, add_training_args, check_common_args,
-                         check_model_folder, make_parser, positive_int)
+from common.args import (
+    add_checkpoint_args,
+    add_data_args,
+    add_logging_args,
+    add_training_args,
+    check_common_args,
+    check_model_folder,
+    make_parser,
+    positive_int,
+)
 from common.cli import UserError, run
-from common.param_groups import parse_lr_groups
+from common.training import parse_lr_groups
 
 
 def parse_args(argv=None):
@@ -79,19 +87,25 @@ def main(args):
     from accelerate.utils import DataLoaderConfiguration, DistributedDataParallelKwargs, ProjectConfiguration, set_seed
     from tqdm.auto import tqdm
 
-    from common.checkpoints import (checkpoint_step, load_checkpoint, read_checkpoint_info, resolve_resume,
-                                    save_checkpoint)
-    from common.image_data import (ImageDataset, collate_batch, label_ids, label_names, load_image_dataset,
-                                   require_columns)
-    from common.lr_schedulers import build_lr_scheduler
-    from common.model_card import write_model_card
-    from common.nonfinite_loss import finite_step
-    from common.param_groups import build_param_groups
+    from common.checkpoints import (
+        checkpoint_step,
+        load_checkpoint,
+        read_checkpoint_info,
+        register_state_hooks,
+        resolve_resume,
+        save_checkpoint,
+    )
+    from common.image_data import (
+        ImageDataset,
+        collate_batch,
+        label_ids,
+        label_names,
+        load_image_dataset,
+        require_columns,
+    )
     from common.preemption import PreemptionGuard
-    from common.run_summary import write_all_results
-    from common.state_hooks import register_state_hooks
-    from common.trackers import init_trackers, log_with
-    from common.training_steps import plan_steps, resume_position
+    from common.reporting import init_trackers, log_with, write_all_results, write_model_card
+    from common.training import build_lr_scheduler, build_param_groups, finite_step, plan_steps, resume_position
 
     # 1. Accelerator: mixed precision from --mixed_precision, else from the accelerate config.
     accelerator = Accelerator(
@@ -290,8 +304,8 @@ def main(args):
                 loss_sum.zero_()
                 stop = preemption.should_stop(global_step)  # SIGTERM/SIGINT: all processes agree
                 if global_step % args.checkpointing_steps == 0 or stop:
-                    checkpoint = save_checkpoint(accelerator, args.output_dir, global_step, args.checkpoints_total_limit,
-                                                 info={best_key: best_metric})
+                    checkpoint = save_checkpoint(accelerator, args.output_dir, global_step,
+                                                 args.checkpoints_total_limit, info={best_key: best_metric})
                     if stop:  # the step is complete and saved: stop here
                         preemption.exit(checkpoint)
                 if global_step >= max_train_steps:

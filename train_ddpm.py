@@ -26,8 +26,17 @@ import math
 import os
 import time
 
-from common.args import (add_checkpoint_args, add_data_args, add_logging_args, add_training_args, check_common_args,
-                         make_parser, positive_float, positive_int, probability)
+from common.args import (
+    add_checkpoint_args,
+    add_data_args,
+    add_logging_args,
+    add_training_args,
+    check_common_args,
+    make_parser,
+    positive_float,
+    positive_int,
+    probability,
+)
 from common.checkpoints import resolve_resume
 from common.cli import UserError, run
 from common.diffusion import DEFAULT_GUIDANCE_SCALE, DEFAULT_INFERENCE_STEPS, DEFAULT_SCHEDULER, SCHEDULER_CLASSES
@@ -132,19 +141,19 @@ def main(args):
     from accelerate.utils import DataLoaderConfiguration, ProjectConfiguration, set_seed
     from tqdm.auto import tqdm
 
-    from common.checkpoints import checkpoint_step, load_checkpoint, save_checkpoint
+    from common.checkpoints import checkpoint_step, load_checkpoint, register_state_hooks, save_checkpoint
     from common.classifier_metrics import ClassifierScorer
-    from common.image_data import (ImageDataset, collate_batch, label_ids, label_names, load_image_dataset,
-                                   require_columns)
-    from common.lr_schedulers import build_lr_scheduler
-    from common.model_card import write_model_card
-    from common.param_groups import build_param_groups
-    from common.nonfinite_loss import finite_step
+    from common.image_data import (
+        ImageDataset,
+        collate_batch,
+        label_ids,
+        label_names,
+        load_image_dataset,
+        require_columns,
+    )
     from common.preemption import PreemptionGuard
-    from common.run_summary import write_all_results
-    from common.state_hooks import register_state_hooks
-    from common.trackers import init_trackers, log_with
-    from common.training_steps import plan_steps, resume_position
+    from common.reporting import init_trackers, log_with, write_all_results, write_model_card
+    from common.training import build_lr_scheduler, build_param_groups, finite_step, plan_steps, resume_position
 
     # 1. Accelerator: mixed precision from --mixed_precision, else from the accelerate config.
     accelerator = Accelerator(
@@ -420,7 +429,7 @@ def validation(accelerator, unet, ema, noise_scheduler, args, labels, scorer, sc
 
     from common.classifier_metrics import frechet_distance
     from common.diffusion import image_grid, sample_images, sampling_scheduler, to_pil
-    from common.trackers import log_image
+    from common.reporting import log_image
 
     metrics = {}
     if accelerator.is_main_process:

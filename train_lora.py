@@ -29,12 +29,21 @@ import math
 import os
 import time
 
-from common.args import (add_checkpoint_args, add_data_args, add_logging_args, add_training_args, check_common_args,
-                         make_parser, positive_float, positive_int, probability)
+from common.args import (
+    add_checkpoint_args,
+    add_data_args,
+    add_logging_args,
+    add_training_args,
+    check_common_args,
+    make_parser,
+    positive_float,
+    positive_int,
+    probability,
+)
 from common.checkpoints import read_checkpoint_info, resolve_resume
 from common.cli import UserError, run
 from common.diffusion import SCHEDULER_CLASSES, SD_SCHEDULER
-from common.sd_pipeline import check_local_resolution, check_sd_pipeline
+from common.stable_diffusion import check_local_resolution, check_sd_pipeline
 
 TINY_SD = "models/tiny-sd"
 UNET_TARGETS = "to_k,to_q,to_v,to_out.0"
@@ -57,7 +66,8 @@ def parse_args(argv=None):
                    help="VAE-encode every image once (implies --center_crop; with --random_flip both orientations).")
     g = parser.add_argument_group("model")
     g.add_argument("--pretrained_model_name_or_path", default=TINY_SD,
-                   help="A StableDiffusionPipeline: hub id or folder (default: the offline tiny one of `make tiny-sd`).")
+                   help="A StableDiffusionPipeline: hub id or folder "
+                   "(default: the offline tiny one of `make tiny-sd`).")
     g.add_argument("--revision", default=None, help="Hub revision of the base model.")
     g.add_argument("--variant", default=None, help="Weights variant of the base model, e.g. fp16.")
     g.add_argument("--prediction_type", default=None, choices=["epsilon", "v_prediction", "sample"],
@@ -80,7 +90,8 @@ def parse_args(argv=None):
     g = parser.add_argument_group("validation")
     g.add_argument("--validation_prompt", action="append", default=[], help="Repeatable.")
     g.add_argument("--num_validation_images", type=positive_int, default=2, help="Images per prompt.")
-    g.add_argument("--validation_steps", type=positive_int, default=100, help="Every N optimizer steps, and at the end.")
+    g.add_argument("--validation_steps", type=positive_int, default=100,
+                   help="Every N optimizer steps, and at the end.")
     g.add_argument("--validation_scheduler", default=SD_SCHEDULER, choices=sorted(SCHEDULER_CLASSES),
                    help="Sampler of the validation images (sample.py's default too).")
     g.add_argument("--validation_inference_steps", type=positive_int, default=20)
@@ -130,21 +141,13 @@ def main(args):
     from accelerate.utils import DataLoaderConfiguration, ProjectConfiguration, set_seed
     from tqdm.auto import tqdm
 
-    from common.checkpoints import checkpoint_step, load_checkpoint, save_checkpoint
+    from common.checkpoints import checkpoint_step, load_checkpoint, register_state_hooks, save_checkpoint
     from common.diffusion import diffusion_loss, diffusion_target
-    from common.image_data import ImageDataset, collate_batch, load_image_dataset, require_columns
-    from common.latent_cache import CachedLatents
-    from common.lora_weights import load_lora_state, save_lora_state, save_lora_weights
-    from common.lr_schedulers import build_lr_scheduler
-    from common.model_card import write_model_card
-    from common.nonfinite_loss import finite_step
-    from common.param_groups import build_param_groups
+    from common.image_data import CachedLatents, ImageDataset, collate_batch, load_image_dataset, require_columns
     from common.preemption import PreemptionGuard
-    from common.run_summary import write_all_results
-    from common.sd_pipeline import base_resolution, load_error
-    from common.state_hooks import register_state_hooks
-    from common.trackers import init_trackers, log_with
-    from common.training_steps import plan_steps, resume_position
+    from common.reporting import init_trackers, log_with, write_all_results, write_model_card
+    from common.stable_diffusion import base_resolution, load_error, load_lora_state, save_lora_state, save_lora_weights
+    from common.training import build_lr_scheduler, build_param_groups, finite_step, plan_steps, resume_position
 
     # 1. Accelerator: mixed precision from --mixed_precision, else from the accelerate config.
     accelerator = Accelerator(
@@ -246,7 +249,8 @@ def main(args):
     prompt_embeds = None
     if not args.train_text_encoder:
         with torch.no_grad():
-            prompt_embeds = torch.cat([text_encoder(ids.to(accelerator.device))[0].cpu() for ids in input_ids.split(64)])
+            prompt_embeds = torch.cat([text_encoder(ids.to(accelerator.device))[0].cpu()
+                                       for ids in input_ids.split(64)])
 
     def encode(pixel_values):  # -> parameters (mean, log-variance) of the VAE's latent distribution
         with torch.no_grad(), accelerator.autocast():
@@ -377,7 +381,8 @@ def main(args):
                     if stop:  # the step is complete and saved: stop here
                         preemption.exit(checkpoint)
                 # 8. Validate: images from the current LoRA, on the main process (the others wait).
-                if args.validation_prompt and global_step % args.validation_steps == 0 and global_step < max_train_steps:
+                if (args.validation_prompt and global_step % args.validation_steps == 0
+                        and global_step < max_train_steps):
                     validate(**validation, step=global_step)
                 if global_step >= max_train_steps:
                     break
@@ -449,7 +454,8 @@ def check_target_modules(model, targets, flag, what):
     names = [name for name, _ in model.named_modules() if name]
     for target in targets:
         if not any(name == target or name.endswith("." + target) for name in names):
-            suffixes = sorted({".".join(n.split(".")[-k:]) for n in names for k in (1, 2)} - {str(i) for i in range(99)})
+            suffixes = {".".join(n.split(".")[-k:]) for n in names for k in (1, 2)}
+            suffixes = sorted(suffixes - {str(i) for i in range(99)})
             close = difflib.get_close_matches(target, suffixes, n=4, cutoff=0.5)
             hint = f"closest module names: {', '.join(close)}" if close else f"module names look like {names[-1]}"
             raise UserError(f"{flag}: '{target}' matches no module of the {what}; {hint}")
@@ -463,8 +469,8 @@ def validate(args, accelerator, vae, tokenizer, scheduler, unet, text_encoder, s
     from PIL import Image
 
     from common.diffusion import sampling_scheduler
-    from common.sd_pipeline import decode_fp32
-    from common.trackers import log_image
+    from common.reporting import log_image
+    from common.stable_diffusion import decode_fp32
 
     paths = []
     if accelerator.is_main_process:

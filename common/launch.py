@@ -6,11 +6,30 @@ single-process launcher raises CalledProcessError, and stops waiting at a Ctrl-C
 script still writes its checkpoint; torchrun's launcher raises ChildFailedError or SignalException. This
 wrapper keeps the launcher waiting through a Ctrl-C (the training processes get the signal from the terminal, or
 from torchrun, and stop after a checkpoint) and turns the launcher's exceptions into one line and the script's exit
-code (2: a user error, 130 / 143: stopped by SIGINT / SIGTERM). Everything else is accelerate's.
+code (2: a user error, 130 / 143: stopped by SIGINT / SIGTERM). It first checks that the --config_file yaml reads
+(accelerate answers an unreadable one with a traceback); accelerate validates the values itself.
+Everything else is accelerate's.
 """
+import os
 import signal
 import subprocess
 import sys
+
+
+def check_accelerate_config(path):
+    """-> None when `path` is a readable YAML mapping, else the reason in one line (no torch import: fast)."""
+    import yaml
+
+    if not os.path.isfile(path):
+        return f"accelerate config '{path}' does not exist (see accelerate_configs/)"
+    try:
+        with open(path) as f:
+            config = yaml.safe_load(f)
+    except (OSError, yaml.YAMLError) as err:
+        return f"accelerate config '{path}' cannot be read: {' '.join(str(err).split())[:300]}"
+    if not isinstance(config, dict) or "distributed_type" not in config:
+        return f"accelerate config '{path}' is not an accelerate config (no distributed_type); see accelerate_configs/"
+    return None
 
 
 def exit_code(returncode):
@@ -19,6 +38,11 @@ def exit_code(returncode):
 
 
 def main(argv):
+    config_file = next((argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--config_file"), None)
+    problem = config_file and check_accelerate_config(config_file)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr, flush=True)
+        sys.exit(2)
     # A Python-level handler (not SIG_IGN): the launched processes get the default again when they start.
     signal.signal(signal.SIGINT, lambda signum, frame: None)
     from accelerate.commands.launch import launch_command, launch_command_parser

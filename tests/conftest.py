@@ -93,7 +93,7 @@ def read_results(output_dir):
 @pytest.fixture(scope="session")
 def digits(tmp_path_factory):
     """The built-in digits imagefolder (data/digits/{train,test}), written once per test session."""
-    from common.digits_data import write_digits
+    from demo.digits import write_digits
 
     path = tmp_path_factory.mktemp("data") / "digits"
     write_digits(str(path))
@@ -103,7 +103,7 @@ def digits(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_sd(tmp_path_factory):
     """The tiny random-init Stable Diffusion pipeline of `make tiny-sd`, built once per test session."""
-    from common.tiny_sd import write_tiny_sd
+    from demo.tiny_sd import write_tiny_sd
 
     path = tmp_path_factory.mktemp("models") / "tiny-sd"
     write_tiny_sd(str(path))

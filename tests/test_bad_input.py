@@ -20,7 +20,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-
 from conftest import ROOT, assert_one_line_error, offline_env, read_results, run_script
 
 IS_ROOT = hasattr(os, "geteuid") and os.geteuid() == 0
@@ -44,8 +43,8 @@ CLASSIFIER = [
     case("missing-dataset-folder", ["--train_data_dir", "{missing}"], "does not exist", "make data"),
     case("empty-dataset-folder", ["--train_data_dir", "{empty}"], "holds no image files", "put images in it"),
     case("folder-without-images", ["--train_data_dir", "{no_images}"], "holds no image files"),
-    case("corrupt-image", ["--train_data_dir", "{corrupt}"], "cannot read image", "broken.png", "image file is truncated",
-         "delete or replace that file"),
+    case("corrupt-image", ["--train_data_dir", "{corrupt}"], "cannot read image", "broken.png",
+         "image file is truncated", "delete or replace that file"),
     case("missing-image-column", ["--image_column", "picture"],
          "--image_column 'picture' is not a column of the dataset; columns are: image, label, text"),
     case("missing-label-column", ["--label_column", "digit"], "--label_column 'digit' is not a column"),
@@ -227,9 +226,9 @@ def classifier_run(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def paths(tmp_path_factory, tiny_sd, classifier_run, read_only):
+    import torch
     from PIL import Image
     from safetensors.torch import save_file
-    import torch
 
     root = tmp_path_factory.mktemp("bad_input")
     good = {f"{i}.png": Image.new("RGB", (32, 32), (30 * i, 100, 200 - 20 * i)) for i in range(8)}
@@ -377,10 +376,10 @@ def test_lora_for_another_architecture_is_refused(paths):
     """A LoRA whose keys name no module of the base: diffusers loads it without a word and adapts nothing (sample.py
     then failed in set_adapters with a traceback). In-process: the base loads in a second, not in a 10 s subprocess;
     the UserError -> one line path is what every case above checks."""
-    import inspect_pipeline
-    import sample
     import torch
 
+    import inspect_pipeline
+    import sample
     from common.cli import UserError
 
     out = paths["root"] / "foreign"

@@ -12,7 +12,7 @@ def test_sd15_architecture_has_stable_diffusion_1_5_parameter_counts():
     from diffusers import AutoencoderKL, UNet2DConditionModel
     from transformers import CLIPTextConfig, CLIPTextModel
 
-    from common.tiny_sd import SD15
+    from demo.tiny_sd import SD15
 
     with torch.device("meta"):  # shapes only: nothing allocated
         models = {"unet": UNet2DConditionModel(**SD15["unet"]), "vae": AutoencoderKL(**SD15["vae"]),

@@ -5,10 +5,18 @@ import subprocess
 import sys
 
 import pytest
+from conftest import (
+    ROOT,
+    assert_one_line_error,
+    launch,
+    launch_command,
+    logged_losses,
+    offline_env,
+    read_results,
+    run_script,
+    signal_when_ready,
+)
 from safetensors.torch import load_file
-
-from conftest import (ROOT, assert_one_line_error, launch, launch_command, logged_losses, offline_env, read_results,
-                      run_script, signal_when_ready)
 
 # 304 images in batches of 16: 19 batches per epoch; accumulation 2 -> 10 optimizer steps per epoch, the last of
 # them a short cycle of one batch (the epoch ends in the middle of an accumulation cycle).
@@ -191,7 +199,7 @@ def tiny_text_model(tmp_path_factory):
     """A 2-layer BERT and a WordPiece tokenizer whose vocabulary our own code writes."""
     from transformers import BertConfig, BertModel, BertTokenizer
 
-    from common.digits_data import NAMES
+    from demo.digits import NAMES
 
     path = tmp_path_factory.mktemp("text") / "tiny-bert"
     path.mkdir()

@@ -8,17 +8,24 @@ from argparse import Namespace
 import numpy as np
 import pytest
 import torch
+from conftest import CONFIGS
 from PIL import Image
 
-from common.accelerate_config import check as check_accelerate_config
 from common.checkpoints import list_checkpoints, resolve_resume, save_checkpoint
 from common.cli import UserError
-from common.image_data import (ImageDataset, collate_batch, label_ids, label_names, load_image_dataset,
-                               require_columns, resize_shorter_side, to_rgb)
-from common.param_groups import build_param_groups, parse_lr_groups
-from common.trackers import sanitize_config
-from common.training_steps import plan_steps, resume_position
-from conftest import CONFIGS
+from common.image_data import (
+    ImageDataset,
+    collate_batch,
+    label_ids,
+    label_names,
+    load_image_dataset,
+    require_columns,
+    resize_shorter_side,
+    to_rgb,
+)
+from common.launch import check_accelerate_config
+from common.reporting import sanitize_config
+from common.training import build_param_groups, parse_lr_groups, plan_steps, resume_position
 
 
 def test_digits_imagefolder(digits):
@@ -130,7 +137,7 @@ def test_batches_equal_the_collated_items(tmp_path):
     images of the training size and larger, random crops and flips, tensor and list columns, across epochs."""
     import datasets
 
-    from common.latent_cache import CachedLatents
+    from common.image_data import CachedLatents
 
     rng = np.random.default_rng(0)
     # (height, width): square, larger (resized to 16 x 16), one size wider than high (crops of a 16 x 24), and sizes
@@ -186,7 +193,8 @@ def test_param_groups_prefixes_and_no_decay():
     model.add_module("image_model", torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4)))
     model.add_module("text_model", torch.nn.Linear(4, 4))
     model.add_module("head", torch.nn.Linear(8, 2))
-    groups = {g["name"]: g for g in build_param_groups(model, 1e-3, 0.1, parse_lr_groups("image_model=2e-5,text_model=4e-5"))}
+    lr_groups = parse_lr_groups("image_model=2e-5,text_model=4e-5")
+    groups = {g["name"]: g for g in build_param_groups(model, 1e-3, 0.1, lr_groups)}
     assert groups["image_model"]["lr"] == 2e-5 and groups["image_model"]["weight_decay"] == 0.1
     assert groups["image_model/no_decay"]["weight_decay"] == 0.0
     assert len(groups["image_model/no_decay"]["params"]) == 3  # linear bias, norm weight, norm bias
@@ -266,7 +274,7 @@ def test_state_hooks_write_from_pretrained_folders_and_restore(tmp_path):
     from accelerate import Accelerator
     from transformers import ResNetConfig, ResNetForImageClassification
 
-    from common.state_hooks import register_state_hooks
+    from common.checkpoints import register_state_hooks
 
     accelerator = Accelerator(cpu=True)
     pretrained = ResNetForImageClassification(ResNetConfig(embedding_size=8, hidden_sizes=[8], depths=[1]))
@@ -274,7 +282,8 @@ def test_state_hooks_write_from_pretrained_folders_and_restore(tmp_path):
     extra = {}
     pretrained, plain = accelerator.prepare(pretrained, plain)
     register_state_hooks(accelerator, {"classifier": pretrained, "head": plain},
-                         extra_save=lambda d: extra.setdefault("saved", d), extra_load=lambda d: extra.setdefault("loaded", d))
+                         extra_save=lambda d: extra.setdefault("saved", d),
+                         extra_load=lambda d: extra.setdefault("loaded", d))
     saved = {k: v.clone() for k, v in {**pretrained.state_dict(), **plain.state_dict()}.items()}
     accelerator.save_state(str(tmp_path / "ckpt"))
     assert (tmp_path / "ckpt/classifier/config.json").exists()

@@ -5,9 +5,8 @@ import sys
 
 import pytest
 import torch
-from safetensors.torch import load_file
-
 from conftest import ROOT, assert_one_line_error, launch, logged_losses, read_results, run_script, signal_when_ready
+from safetensors.torch import load_file
 
 # 48 images in batches of 8 with accumulation 2: 3 optimizer steps per epoch, so checkpoint-4 is mid-epoch.
 TINY = ["--resolution", "8", "--block_out_channels", "16,32", "--max_train_samples", "48", "--train_batch_size", "8",
@@ -211,7 +210,7 @@ def test_two_processes_draw_their_own_noise(tmp_path):
     image repeated, two processes then computed the same gradient as one, and trained exactly like it."""
     from diffusers import UNet2DModel
 
-    from common.digits_data import write_digits
+    from demo.digits import write_digits
 
     source = tmp_path / "digits"
     write_digits(str(source))
@@ -267,7 +266,6 @@ def test_classlabel_datasets_train_and_keep_the_class_names(digits, layout, tmp_
     # The bug this pins: a ClassLabel class column (hub datasets such as CIFAR-10; an imagefolder with one subfolder
     # per class) stops the run with KeyError: '0' (the ClassLabel's ints looked up as names).
     import datasets
-
     from test_classifier import write_class_datasets
 
     folder, parquet = write_class_datasets(digits, tmp_path / "data", per_class=(8, 2))

@@ -5,10 +5,9 @@ import sys
 
 import pytest
 import torch
+from conftest import ROOT, assert_one_line_error, offline_env, run_script
 from PIL import Image
 from safetensors.torch import load_file
-
-from conftest import ROOT, assert_one_line_error, offline_env, run_script
 
 STEPS = 3
 
@@ -33,7 +32,7 @@ def save_lora(pipe, folder, base, metadata=True):
 def models(tmp_path_factory):
     from diffusers import DDPMPipeline, DDPMScheduler, UNet2DModel
 
-    from common.tiny_sd import build_tiny_sd, write_tiny_sd
+    from demo.tiny_sd import build_tiny_sd, write_tiny_sd
 
     root = tmp_path_factory.mktemp("inspect")
     paths = {"sd": root / "tiny-sd"}

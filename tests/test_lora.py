@@ -9,10 +9,17 @@ import time
 import numpy as np
 import pytest
 import torch
+from conftest import (
+    ROOT,
+    assert_one_line_error,
+    launch,
+    logged_losses,
+    offline_env,
+    read_results,
+    run_script,
+    signal_when_ready,
+)
 from safetensors.torch import load_file
-
-from conftest import (ROOT, assert_one_line_error, launch, logged_losses, offline_env, read_results, run_script,
-                      signal_when_ready)
 
 TARGETS = ["to_k", "to_q", "to_v", "to_out.0"]
 TINY = ["--max_train_samples", "64", "--train_batch_size", "8", "--max_train_steps", "12", "--checkpointing_steps", "6",
@@ -129,7 +136,7 @@ def test_saved_lora_weights_load_back_into_both_models(tiny_sd, tmp_path, use_do
     from diffusers import StableDiffusionPipeline
     from peft import LoraConfig
 
-    from common.lora_weights import save_lora_weights
+    from common.stable_diffusion import save_lora_weights
 
     trained = StableDiffusionPipeline.from_pretrained(tiny_sd)
     before = fixed_unet_output(trained.unet), fixed_text_output(trained)
@@ -223,7 +230,7 @@ def test_load_hook_sets_the_adapter_and_upcasts(tiny_sd, tmp_path):
     from diffusers import UNet2DConditionModel
     from peft import LoraConfig
 
-    from common.lora_weights import load_lora_state, save_lora_state
+    from common.stable_diffusion import load_lora_state, save_lora_state
 
     unet = UNet2DConditionModel.from_pretrained(tiny_sd / "unet").requires_grad_(False)
     unet.add_adapter(LoraConfig(r=4, lora_alpha=4, init_lora_weights="gaussian", target_modules=TARGETS))
@@ -333,7 +340,7 @@ def test_sample_py_bad_input(tiny_sd, tmp_path):
     from peft import LoraConfig
     from peft.utils import get_peft_model_state_dict
 
-    from common.tiny_sd import build_tiny_sd
+    from demo.tiny_sd import build_tiny_sd
 
     assert_one_line_error(run_script("sample.py", "--model", tiny_sd), "give at least one --prompt")
     other = build_tiny_sd(unet_channels=(64, 128)).unet  # a LoRA made for another base: other shapes

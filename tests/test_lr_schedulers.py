@@ -4,9 +4,9 @@ import math
 
 import pytest
 import torch
-
-from common.lr_schedulers import build_lr_scheduler
 from conftest import ROOT, launch
+
+from common.training import build_lr_scheduler
 
 
 @pytest.mark.parametrize("config,processes", [("cpu.yaml", 1), ("cpu_2proc.yaml", 2)])

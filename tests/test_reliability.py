@@ -13,10 +13,17 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import (
+    ROOT,
+    assert_one_line_error,
+    launch,
+    logged_losses,
+    offline_env,
+    read_results,
+    run_script,
+    signal_when_ready,
+)
 from safetensors.torch import load_file
-
-from conftest import (ROOT, assert_one_line_error, launch, logged_losses, offline_env, read_results, run_script,
-                      signal_when_ready)
 
 SMALL = ["--max_train_samples", "160", "--train_batch_size", "16", "--eval_batch_size", "128", "--logging_steps", "1"]
 SCRIPTS = ["train_classifier.py", "train_ddpm.py", "train_lora.py", "sample.py", "inspect_pipeline.py"]

@@ -7,9 +7,8 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from PIL import Image
-
 from conftest import launch, run_script
+from PIL import Image
 
 SD15_SCHEDULER = {  # stable-diffusion-v1-5's scheduler_config.json: no prediction_type, no timestep_spacing
     "_class_name": "PNDMScheduler", "beta_start": 0.00085, "beta_end": 0.012, "beta_schedule": "scaled_linear",
@@ -131,10 +130,10 @@ def test_lora_validation_images_are_what_sample_py_and_diffusers_draw(digits, ti
 def test_min_snr_loss_is_finite_at_zero_terminal_snr_and_shared_by_the_diffusion_trainers():
     """Pins: train_lora.py weighted min-SNR inline as clamp(snr) / snr, NaN at a zero-SNR timestep (a schedule with
     rescale_betas_zero_snr), where train_ddpm.py's helper fell back to plain MSE: one helper for both now."""
+    from conftest import ROOT
     from diffusers import DDPMScheduler
 
     from common.diffusion import diffusion_loss
-    from conftest import ROOT
 
     scheduler = DDPMScheduler(rescale_betas_zero_snr=True, beta_schedule="scaled_linear")
     timesteps = torch.tensor([0, 500, 999])

@@ -25,7 +25,7 @@ def test_tiny_sd_is_a_stable_diffusion_pipeline(tiny_sd):
 
 
 def test_tiny_sd_is_deterministic(tmp_path, tiny_sd):
-    from common.tiny_sd import write_tiny_sd
+    from demo.tiny_sd import write_tiny_sd
 
     out = tmp_path / "tiny-sd"
     write_tiny_sd(str(out))

@@ -5,7 +5,7 @@ hand-written reference loop: steps/s, peak GPU memory and model FLOP utilisation
     python tests/benchmarks/gpu_lora.py --batch_sizes 4 --precisions bf16 --gradient_checkpointing off
 
 The base is SD 1.5's architecture with random weights, built locally from its public configs (`python -m
-common.tiny_sd --architecture sd15`, done here when missing): nothing is downloaded, and speed and memory are those
+demo.tiny_sd --architecture sd15`, done here when missing): nothing is downloaded, and speed and memory are those
 of the real model. For each batch size x precision x gradient checkpointing:
 - recipe: train_lora.py launched as users launch it (`accelerate launch --config_file single_gpu.yaml`), on the
   digits at --resolution 512 with --cache_latents; steps/s from its progress bar between the warm-up and the end
@@ -64,7 +64,6 @@ def matmul_tflops(device):
 
 def load_lora_unet(base, precision, device, rank, targets):
     """The frozen base UNet in the precision's dtype with SDPA, fp32 LoRA adapters: as train_lora.py builds it."""
-    import torch
     from diffusers import UNet2DConditionModel
     from diffusers.models.attention_processor import AttnProcessor2_0
     from diffusers.training_utils import cast_training_params
@@ -130,7 +129,7 @@ def reference_run(unet, scheduler, batch_size, precision, gradient_checkpointing
     import torch
     from torch.utils.flop_counter import FlopCounterMode
 
-    from common.run_summary import peak_memory_mb
+    from common.reporting import peak_memory_mb
 
     if gradient_checkpointing:
         unet.enable_gradient_checkpointing()
@@ -160,7 +159,6 @@ def reference_run(unet, scheduler, batch_size, precision, gradient_checkpointing
 def kernel_profile(step, rate, device, steps=3):
     """On a GPU: kernels a step, and the share of the step's time that the GPU spends in kernels (torch.profiler).
     A small share at a fast step is a host-bound loop: Python and the dispatcher, not the GPU, set the pace."""
-    import torch
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -249,7 +247,7 @@ def main():
         raise SystemExit("error: no CUDA GPU visible; `make bench` is the CPU benchmark")
     base = os.path.join(ROOT, g["base"]) if not os.path.isabs(g["base"]) else g["base"]
     if not os.path.isdir(base):
-        from common.tiny_sd import write_tiny_sd
+        from demo.tiny_sd import write_tiny_sd
 
         start = time.perf_counter()
         n = write_tiny_sd(base, "sd15", device=args.device)

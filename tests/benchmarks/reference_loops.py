@@ -37,7 +37,7 @@ def load_digits(resolution, root=os.path.join(ROOT, "data/digits/train")):
 def adamw(model, lr, weight_decay):
     import torch
 
-    from common.param_groups import build_param_groups  # the recipes' groups: no decay on biases and norms
+    from common.training import build_param_groups  # the recipes' groups: no decay on biases and norms
 
     return torch.optim.AdamW(build_param_groups(model, lr, weight_decay), fused=True)  # as the recipes
 

@@ -9,8 +9,10 @@ import torch
 from accelerate import Accelerator
 
 sys.path.insert(0, sys.argv[1])
-from common.lr_schedulers import build_lr_scheduler  # noqa: E402
-from common.training_steps import plan_steps  # noqa: E402
+from common.training import (
+    build_lr_scheduler,  # noqa: E402
+    plan_steps,  # noqa: E402
+)
 
 out, name, epochs, accumulations = sys.argv[2], sys.argv[3], int(sys.argv[4]), [int(a) for a in sys.argv[5:]]
 accelerator = Accelerator()

@@ -1,4 +1,4 @@
-"""`python -m common.tiny_sd`: a random-init Stable Diffusion pipeline, built locally, for offline runs.
+"""`python -m demo.tiny_sd`: a random-init Stable Diffusion pipeline, built locally, for offline runs.
 
 The same layout as stable-diffusion-v1-5 (UNet2DConditionModel, AutoencoderKL, CLIPTextModel, CLIPTokenizer,
 DDPMScheduler with SD's betas), so `StableDiffusionPipeline.from_pretrained` loads it and train_lora.py trains on it
@@ -108,7 +108,7 @@ def write_tiny_sd(output_dir, architecture="tiny", seed=0, device="cpu", **kwarg
     with open(os.path.join(tmp, "README.md"), "w") as f:
         what = "Stable Diffusion 1.5 architecture" if architecture == "sd15" else "tiny Stable Diffusion"
         f.write(f"# {os.path.basename(output_dir)}\n\nA **random-init** {what} pipeline written by `python -m "
-                "common.tiny_sd`, for offline runs, tests and benchmarks. It produces noise, not pictures.\n")
+                "demo.tiny_sd`, for offline runs, tests and benchmarks. It produces noise, not pictures.\n")
     if os.path.exists(output_dir):
         shutil.rmtree(output_dir)
     os.replace(tmp, output_dir)

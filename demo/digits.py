@@ -1,4 +1,4 @@
-"""`python -m common.digits_data`: scikit-learn's bundled handwritten digits as an imagefolder.
+"""`python -m demo.digits`: scikit-learn's bundled handwritten digits as an imagefolder.
 
 data/digits/{train,test}/ (stratified 80/20, fixed seed): RGB PNGs upscaled from 8x8 to 32x32, and a
 metadata.jsonl per split with file_name, label (int) and text ("a handwritten digit seven").
