@@ -21,7 +21,7 @@ LAUNCH := $(LAUNCH_ENV) $(PY) -m common.launch --config_file $(CONFIG)
 ARGS ?=
 DIGITS := data/digits/train/metadata.jsonl
 
-.PHONY: install lint data env train-classifier train-ddpm sample-ddpm tiny-sd train-lora sample-lora inspect test clean
+.PHONY: install lint data env tiny-sd-base train-classifier train-ddpm sample-ddpm tiny-sd train-lora sample-lora inspect test clean
 
 install: $(VENV)/.installed
 $(VENV)/.installed: requirements.txt
@@ -30,9 +30,10 @@ $(VENV)/.installed: requirements.txt
 	  2>&1 | { grep -v "is ignored: it is neither a file nor a directory" || true; }
 	touch $@
 
-data: $(DIGITS)
-$(DIGITS): | install
-	$(PY) -m demo.digits --output_dir data/digits
+RED_DIGITS := data/digits-red-ink/train/metadata.jsonl
+data: $(DIGITS) $(RED_DIGITS)
+$(DIGITS) $(RED_DIGITS): | install
+	$(PY) -m demo.digits --output_dir data/digits --styled_dir data/digits-red-ink
 
 env: install
 	$(ACCELERATE) env
@@ -63,6 +64,25 @@ $(TINY_SD): | install
 LORA_OUT = $(or $(OUTPUT),outputs/lora)
 # The demo's size, learning rate and batch for the tiny base; with another base (--pretrained_model_name_or_path in
 # ARGS) the script's own defaults: the base's native resolution, LR 1e-4, batch 16.
+# The shipped base (assets/tiny-sd-digits), rebuilt from scratch: the VAE, then the UNet with train_text_to_image.py,
+# then the measurement and the model card (demo/tiny_sd_base.py). About 25 min on 2 CPU cores.
+BASE_WORK := $(or $(OUTPUT),outputs/tiny-sd-base)
+BASE_VAE_ARGS ?=
+BASE_UNET_ARGS := --pretrained_model_name_or_path $(BASE_WORK)/init --unet_config $(BASE_WORK)/init/unet_config.json \
+  --train_data_dir data/digits --caption_column captions --cache_latents --caption_dropout_prob 0.1 --snr_gamma 5 \
+  --use_ema --ema_max_decay 0.999 --train_batch_size 64 --max_train_steps 1600 --learning_rate 2e-3 \
+  --lr_scheduler cosine --lr_warmup_steps 100 --checkpointing_steps 400 --validation_steps 400 \
+  --validation_prompt "a handwritten digit seven" --output_dir $(BASE_WORK)/unet
+BASE_DIR ?= assets/tiny-sd-digits
+tiny-sd-base: data
+	$(PY) -m demo.tiny_sd_base vae --output_dir $(BASE_WORK)/init $(BASE_VAE_ARGS)
+	$(LAUNCH) $(if $(LAUNCH_ENV),--num_cpu_threads_per_process 2,) train_text_to_image.py $(BASE_UNET_ARGS) $(ARGS)
+	$(PY) -m demo.tiny_sd_base finish --model $(BASE_WORK)/unet --init $(BASE_WORK)/init --output_dir $(BASE_DIR) \
+	  $(BASE_FINISH_ARGS) --commands 'make data ;; python -m demo.tiny_sd_base vae --output_dir $(BASE_WORK)/init \
+	  $(BASE_VAE_ARGS) ;; accelerate launch --config_file $(CONFIG) train_text_to_image.py \
+	  $(subst ",\",$(BASE_UNET_ARGS)) $(ARGS) ;; python -m demo.tiny_sd_base finish --model $(BASE_WORK)/unet \
+	  --init $(BASE_WORK)/init --output_dir $(BASE_DIR) $(BASE_FINISH_ARGS)'
+
 LORA_DEMO = $(if $(findstring --pretrained_model_name_or_path,$(ARGS)),,--resolution 32 --learning_rate 2e-3 \
   --train_batch_size 32)
 LORA_PROMPTS := --prompt "a handwritten digit zero" --prompt "a handwritten digit three" \

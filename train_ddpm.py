@@ -20,7 +20,6 @@ A hub dataset (CIFAR-10, class-conditional, 32 px, a bigger UNet):
         --block_out_channels 128,256,256,256 --layers_per_block 2 --train_batch_size 128 --num_train_epochs 300 \
         --learning_rate 2e-4 --lr_warmup_steps 1000 --use_ema --ema_max_decay 0.9999 --mixed_precision bf16
 """
-import contextlib
 import json
 import math
 import os
@@ -40,6 +39,7 @@ from common.args import (
 from common.checkpoints import resolve_resume
 from common.cli import UserError, run
 from common.diffusion import DEFAULT_GUIDANCE_SCALE, DEFAULT_INFERENCE_STEPS, DEFAULT_SCHEDULER, SCHEDULER_CLASSES
+from common.training import add_ema_args, check_resumed_ema
 from common.unet_config import channel_list, check_unet_shape, pretrained_unet_config, unet_config_source
 
 
@@ -68,11 +68,7 @@ def parse_args(argv=None):
     g.add_argument("--prediction_type", default="epsilon", choices=["epsilon", "v_prediction", "sample"])
     g.add_argument("--snr_gamma", type=float, default=5.0,
                    help="Min-SNR-gamma loss weights (Hang et al., 2023; measured: much faster learning); 0: plain MSE.")
-    g.add_argument("--use_ema", action="store_true", help="Keep an EMA of the weights; it is what gets exported.")
-    g.add_argument("--ema_max_decay", type=probability, default=0.9999)
-    g.add_argument("--ema_inv_gamma", type=positive_float, default=1.0,
-                   help="EMA warm-up: decay = 1 - (1 + step / inv_gamma) ** -power, at most --ema_max_decay.")
-    g.add_argument("--ema_power", type=positive_float, default=3 / 4)
+    add_ema_args(g)
     g = parser.add_argument_group("validation")
     g.add_argument("--validation_steps", type=positive_int, default=1000,
                    help="Sample a grid every N optimizer steps, and at the end.")
@@ -110,30 +106,6 @@ def parse_args(argv=None):
     return args
 
 
-EMA_FLAGS = {"decay": "ema_max_decay", "inv_gamma": "ema_inv_gamma", "power": "ema_power"}
-
-
-def check_resumed_ema(args, checkpoint):
-    """A resumed EMA takes its settings from the checkpoint (EMAModel.load_state_dict), whatever the flags say:
-    refuse flags that differ, and an EMA that would be dropped or missing, before anything loads."""
-    config_file = os.path.join(checkpoint, "unet_ema", "config.json")
-    if not os.path.isfile(config_file):
-        if args.use_ema:
-            raise UserError(f"--use_ema: checkpoint '{checkpoint}' has no unet_ema/ (it was trained without "
-                            "--use_ema); resume without --use_ema, or train into a new --output_dir")
-        return
-    if not args.use_ema:
-        raise UserError(f"--resume_from_checkpoint: '{checkpoint}' holds an EMA of the weights (trained with "
-                        "--use_ema); resume with --use_ema and the same EMA settings")
-    with open(config_file) as f:
-        saved = json.load(f)
-    diffs = [f"--{flag} {saved[key]:g} (now {getattr(args, flag):g})" for key, flag in EMA_FLAGS.items()
-             if key in saved and not math.isclose(saved[key], getattr(args, flag))]
-    if diffs:
-        raise UserError(f"--resume_from_checkpoint: '{checkpoint}' was trained with {', '.join(diffs)}; resume with "
-                        "the same EMA settings, or train into a new --output_dir")
-
-
 def main(args):
     import torch
     from accelerate import Accelerator
@@ -153,7 +125,14 @@ def main(args):
     )
     from common.preemption import PreemptionGuard
     from common.reporting import init_trackers, log_with, write_all_results, write_model_card
-    from common.training import build_lr_scheduler, build_param_groups, finite_step, plan_steps, resume_position
+    from common.training import (
+        build_lr_scheduler,
+        build_param_groups,
+        ema_weights,
+        finite_step,
+        plan_steps,
+        resume_position,
+    )
 
     # 1. Accelerator: mixed precision from --mixed_precision, else from the accelerate config.
     accelerator = Accelerator(
@@ -408,20 +387,6 @@ def drop_class_labels(class_labels, null_class, prob):
     return class_labels.masked_fill(drop, null_class)
 
 
-@contextlib.contextmanager
-def ema_weights(ema, model):
-    """Inside: the model holds the EMA weights (when there is an EMA); after: its training weights again."""
-    if ema is None:
-        yield
-        return
-    ema.store(model.parameters())
-    ema.copy_to(model.parameters())
-    try:
-        yield
-    finally:
-        ema.restore(model.parameters())
-
-
 def validation(accelerator, unet, ema, noise_scheduler, args, labels, scorer, scorer_ids, real_features, step):
     """On the main process (the others wait): a grid, a row per class, drawn with the EMA weights, logged and saved
     as samples/step-N.png; with --eval_classifier, sample accuracy and Fréchet distance. Returns the metrics."""
@@ -430,6 +395,7 @@ def validation(accelerator, unet, ema, noise_scheduler, args, labels, scorer, sc
     from common.classifier_metrics import frechet_distance
     from common.diffusion import image_grid, sample_images, sampling_scheduler, to_pil
     from common.reporting import log_image
+    from common.training import ema_weights
 
     metrics = {}
     if accelerator.is_main_process:

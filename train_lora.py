@@ -143,10 +143,24 @@ def main(args):
 
     from common.checkpoints import checkpoint_step, load_checkpoint, register_state_hooks, save_checkpoint
     from common.diffusion import diffusion_loss, diffusion_target
-    from common.image_data import CachedLatents, ImageDataset, collate_batch, load_image_dataset, require_columns
+    from common.image_data import (
+        CachedLatents,
+        ImageDataset,
+        caption_lists,
+        collate_batch,
+        load_image_dataset,
+        require_columns,
+    )
     from common.preemption import PreemptionGuard
     from common.reporting import init_trackers, log_with, write_all_results, write_model_card
-    from common.stable_diffusion import base_resolution, load_error, load_lora_state, save_lora_state, save_lora_weights
+    from common.stable_diffusion import (
+        base_resolution,
+        load_error,
+        load_lora_state,
+        save_lora_state,
+        save_lora_weights,
+        validate,
+    )
     from common.training import build_lr_scheduler, build_param_groups, finite_step, plan_steps, resume_position
 
     # 1. Accelerator: mixed precision from --mixed_precision, else from the accelerate config.
@@ -435,18 +449,6 @@ def lora_dtypes(mixed_precision):
     return {"fp16": torch.float16, "bf16": torch.bfloat16}.get(mixed_precision, torch.float32), torch.float32
 
 
-def caption_lists(values, column):
-    """Each row's caption(s) as a non-empty list of strings."""
-    lists = []
-    for row, value in enumerate(values):
-        options = [value] if isinstance(value, str) else list(value) if isinstance(value, list | tuple) else []
-        if not options or not all(isinstance(c, str) for c in options):
-            raise UserError(f"--caption_column '{column}': row {row} holds {str(value)[:60]!r}, "
-                            "not a caption or a list of captions")
-        lists.append(options)
-    return lists
-
-
 def check_target_modules(model, targets, flag, what):
     """peft matches a target by full name or name suffix; name the closest module names when one matches nothing."""
     import difflib
@@ -459,46 +461,6 @@ def check_target_modules(model, targets, flag, what):
             close = difflib.get_close_matches(target, suffixes, n=4, cutoff=0.5)
             hint = f"closest module names: {', '.join(close)}" if close else f"module names look like {names[-1]}"
             raise UserError(f"{flag}: '{target}' matches no module of the {what}; {hint}")
-
-
-def validate(args, accelerator, vae, tokenizer, scheduler, unet, text_encoder, step):
-    """Images of the validation prompts from the current LoRA (main process; the others wait), saved under
-    samples/step-N/ and logged to the trackers (a row per prompt). The VAE decodes in fp32, outside autocast."""
-    import torch
-    from diffusers import StableDiffusionPipeline
-    from PIL import Image
-
-    from common.diffusion import sampling_scheduler
-    from common.reporting import log_image
-    from common.stable_diffusion import decode_fp32
-
-    paths = []
-    if accelerator.is_main_process:
-        pipe = StableDiffusionPipeline(vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, unet=unet,
-                                       scheduler=sampling_scheduler(args.validation_scheduler, scheduler.config),
-                                       safety_checker=None, feature_extractor=None, requires_safety_checker=False)
-        pipe.set_progress_bar_config(disable=True)
-        unet.eval()
-        text_encoder.eval()
-        folder = os.path.join(args.output_dir, "samples", f"step-{step}")
-        os.makedirs(folder, exist_ok=True)
-        for p, prompt in enumerate(args.validation_prompt):
-            generators = [torch.Generator().manual_seed(args.seed + j) for j in range(args.num_validation_images)]
-            with torch.no_grad(), accelerator.autocast():
-                latents = pipe([prompt] * len(generators), num_inference_steps=args.validation_inference_steps,
-                               guidance_scale=args.validation_guidance_scale, generator=generators,
-                               output_type="latent").images
-            images = decode_fp32(pipe, latents)
-            row = Image.new("RGB", (sum(im.width for im in images), images[0].height))
-            for j, image in enumerate(images):
-                paths.append(os.path.join(folder, f"{p}-{j}.png"))
-                image.save(paths[-1])
-                row.paste(image, (j * image.width, 0))
-            log_image(accelerator, f"validation/{p}", row, step)
-        unet.train()
-        text_encoder.train(args.train_text_encoder)
-    accelerator.wait_for_everyone()
-    return paths
 
 
 if __name__ == "__main__":

@@ -322,3 +322,15 @@ class CachedLatents:
 
         index = torch.as_tensor(indices)
         return {"latent_params": self.params[index, self.views(indices)], "index": index}
+
+
+def caption_lists(values, column):
+    """Each row's caption(s) as a non-empty list of strings."""
+    lists = []
+    for row, value in enumerate(values):
+        options = [value] if isinstance(value, str) else list(value) if isinstance(value, list | tuple) else []
+        if not options or not all(isinstance(c, str) for c in options):
+            raise UserError(f"--caption_column '{column}': row {row} holds {str(value)[:60]!r}, "
+                            "not a caption or a list of captions")
+        lists.append(options)
+    return lists

@@ -11,17 +11,48 @@ LORA_INFO = "lora_info.json"
 LORA_WEIGHTS = "pytorch_lora_weights.safetensors"  # diffusers' name: pipe.load_lora_weights(folder) finds it
 PARTS = ("unet", "vae", "text_encoder", "tokenizer", "scheduler")
 TINY_HINT = "`make tiny-sd` writes an offline tiny one to models/tiny-sd"
+SHIPPED_BASE = "assets/tiny-sd-digits"  # the tiny base trained on the digits, in the repository
+CHECKSUMS = "checksums.sha256"  # `sha256sum -c` format: a shipped folder's files, checked before each use
 
 
 def check_sd_pipeline(path, flag):
-    """A local folder must hold a StableDiffusionPipeline; anything else must look like a hub id (owner/name)."""
+    """A local folder must hold a StableDiffusionPipeline (and match its checksums.sha256, if it has one); anything
+    else must look like a hub id (owner/name)."""
     if os.path.isdir(path):
+        verify_checksums(path, flag)
         missing = [part for part in ("model_index.json", *PARTS) if not os.path.exists(os.path.join(path, part))]
         if missing:
             raise UserError(f"{flag} '{path}' is not a Stable Diffusion pipeline folder "
                             f"(no {', '.join(missing)}); {TINY_HINT}")
     elif os.path.exists(path) or path.count("/") != 1 or path.startswith((".", "/")):
         raise UserError(f"{flag} '{path}' is neither a pipeline folder nor a hub id; {TINY_HINT}")
+
+
+def file_sha256(path):
+    import hashlib
+
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def verify_checksums(folder, flag):
+    """A folder with checksums.sha256 (a shipped model) must hold every listed file unchanged."""
+    listing = os.path.join(folder, CHECKSUMS)
+    if not os.path.isfile(listing):
+        return
+    fix = (f"restore it (`git checkout -- {folder}`) or rebuild it (`make tiny-sd-base`)"
+           if os.path.abspath(folder) == os.path.abspath(SHIPPED_BASE) else "restore the folder")
+    with open(listing) as f:
+        for line in f:
+            digest, name = line.strip().split(maxsplit=1)
+            file = os.path.join(folder, name.lstrip("*"))
+            if not os.path.isfile(file):
+                raise UserError(f"{flag} '{folder}': {name} is missing (listed in {CHECKSUMS}); {fix}")
+            if file_sha256(file) != digest:
+                raise UserError(f"{flag} '{folder}': {name} has changed (its sha256 differs from {CHECKSUMS}); {fix}")
 
 
 def check_resolution(resolution, vae_config, source):
@@ -204,3 +235,43 @@ def peft_to_kohya(state_dict, alpha, prefix, module_prefix=""):
         kohya[f"{name}.{names[kind]}"] = value.detach().contiguous()
         kohya[f"{name}.alpha"] = torch.tensor(float(alpha), dtype=value.dtype)
     return kohya
+
+
+def validate(args, accelerator, vae, tokenizer, scheduler, unet, text_encoder, step):
+    """Images of the validation prompts from the current weights (main process; the others wait), saved under
+    samples/step-N/ and logged to the trackers (a row per prompt). The VAE decodes in fp32, outside autocast."""
+    import torch
+    from diffusers import StableDiffusionPipeline
+    from PIL import Image
+
+    from .diffusion import sampling_scheduler
+    from .reporting import log_image
+
+    paths = []
+    if accelerator.is_main_process:
+        pipe = StableDiffusionPipeline(vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, unet=unet,
+                                       scheduler=sampling_scheduler(args.validation_scheduler, scheduler.config),
+                                       safety_checker=None, feature_extractor=None, requires_safety_checker=False)
+        pipe.set_progress_bar_config(disable=True)
+        modes = (unet.training, text_encoder.training)
+        unet.eval()
+        text_encoder.eval()
+        folder = os.path.join(args.output_dir, "samples", f"step-{step}")
+        os.makedirs(folder, exist_ok=True)
+        for p, prompt in enumerate(args.validation_prompt):
+            generators = [torch.Generator().manual_seed(args.seed + j) for j in range(args.num_validation_images)]
+            with torch.no_grad(), accelerator.autocast():
+                latents = pipe([prompt] * len(generators), num_inference_steps=args.validation_inference_steps,
+                               guidance_scale=args.validation_guidance_scale, generator=generators,
+                               output_type="latent").images
+            images = decode_fp32(pipe, latents)
+            row = Image.new("RGB", (sum(im.width for im in images), images[0].height))
+            for j, image in enumerate(images):
+                paths.append(os.path.join(folder, f"{p}-{j}.png"))
+                image.save(paths[-1])
+                row.paste(image, (j * image.width, 0))
+            log_image(accelerator, f"validation/{p}", row, step)
+        unet.train(modes[0])
+        text_encoder.train(modes[1])
+    accelerator.wait_for_everyone()
+    return paths

@@ -9,8 +9,10 @@ gradient all-reduce). The check is on the loss, not the gradients: under fp16 an
 grad scaler skips it.
 """
 import contextlib
+import json
 import logging
 import math
+import os
 
 from .cli import UserError
 
@@ -141,3 +143,38 @@ def ema_weights(ema, model):
         yield
     finally:
         ema.restore(model.parameters())
+
+
+def add_ema_args(group):
+    """The EMA flags of diffusers' train_unconditional.py (EMAModel with warm-up)."""
+    from .args import positive_float, probability
+
+    group.add_argument("--use_ema", action="store_true", help="Keep an EMA of the weights; it is what gets exported.")
+    group.add_argument("--ema_max_decay", type=probability, default=0.9999)
+    group.add_argument("--ema_inv_gamma", type=positive_float, default=1.0,
+                       help="EMA warm-up: decay = 1 - (1 + step / inv_gamma) ** -power, at most --ema_max_decay.")
+    group.add_argument("--ema_power", type=positive_float, default=3 / 4)
+
+
+EMA_FLAGS = {"decay": "ema_max_decay", "inv_gamma": "ema_inv_gamma", "power": "ema_power"}
+
+
+def check_resumed_ema(args, checkpoint):
+    """A resumed EMA takes its settings from the checkpoint (EMAModel.load_state_dict), whatever the flags say:
+    refuse flags that differ, and an EMA that would be dropped or missing, before anything loads."""
+    config_file = os.path.join(checkpoint, "unet_ema", "config.json")
+    if not os.path.isfile(config_file):
+        if args.use_ema:
+            raise UserError(f"--use_ema: checkpoint '{checkpoint}' has no unet_ema/ (it was trained without "
+                            "--use_ema); resume without --use_ema, or train into a new --output_dir")
+        return
+    if not args.use_ema:
+        raise UserError(f"--resume_from_checkpoint: '{checkpoint}' holds an EMA of the weights (trained with "
+                        "--use_ema); resume with --use_ema and the same EMA settings")
+    with open(config_file) as f:
+        saved = json.load(f)
+    diffs = [f"--{flag} {saved[key]:g} (now {getattr(args, flag):g})" for key, flag in EMA_FLAGS.items()
+             if key in saved and not math.isclose(saved[key], getattr(args, flag))]
+    if diffs:
+        raise UserError(f"--resume_from_checkpoint: '{checkpoint}' was trained with {', '.join(diffs)}; resume with "
+                        "the same EMA settings, or train into a new --output_dir")

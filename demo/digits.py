@@ -1,7 +1,11 @@
-"""`python -m demo.digits`: scikit-learn's bundled handwritten digits as an imagefolder.
+"""`python -m demo.digits`: scikit-learn's bundled handwritten digits as an imagefolder, and a restyled copy.
 
-data/digits/{train,test}/ (stratified 80/20, fixed seed): RGB PNGs upscaled from 8x8 to 32x32, and a
-metadata.jsonl per split with file_name, label (int) and text ("a handwritten digit seven").
+data/digits/{train,test}/ (stratified 80/20, fixed seed): RGB PNGs upscaled from 8x8 to 32x32 (white on black),
+and a metadata.jsonl per split with file_name, label (int), text ("a handwritten digit seven") and captions: the
+text three times and three times with a suffix of neutral words (", thin scanned"), for the tiny base's training
+(the base learns to read the digit word whatever follows it, so that a LoRA's style words do not drown it).
+data/digits-red-ink/{train,test}/: the same digits in a style the base never sees, dark red ink on light paper,
+captioned "a handwritten digit seven, red ink on paper": the style LoRA's data.
 """
 import argparse
 import json
@@ -12,9 +16,27 @@ import numpy as np
 from PIL import Image
 
 NAMES = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
+PAPER, INK = (240, 235, 220), (170, 20, 20)  # the red-ink style (RGB)
+STYLE = ", red ink on paper"
+# Neutral words for the caption suffixes; none of the style's words (red, ink, paper) is among them.
+SUFFIX_WORDS = ("thin bold small large scanned blurry sharp neat messy quick slow old new simple plain centered tall "
+                "wide narrow dark bright soft hard round square clean rough light heavy tiny big pixel number sample "
+                "image photo drawing sketch picture style pen pencil chalk marker crayon blue green yellow white black "
+                "grey purple orange brown on with in of canvas board wall slate card page sheet").split()
 
 
-def write_digits(output_dir, size=32, test_fraction=0.2, seed=0):
+def suffix_pool(rng, size=32, max_words=4):
+    return [", " + " ".join(rng.choice(SUFFIX_WORDS, rng.integers(1, max_words + 1))) for _ in range(size)]
+
+
+def red_ink(grey):
+    """uint8 [H, W] stroke intensity -> uint8 [H, W, 3]: paper + (ink - paper) * intensity."""
+    s = grey.astype(np.float32)[..., None] / 255.0
+    paper, ink = np.array(PAPER, np.float32), np.array(INK, np.float32)
+    return (paper + (ink - paper) * s).round().clip(0, 255).astype(np.uint8)
+
+
+def write_digits(output_dir, size=32, test_fraction=0.2, seed=0, styled_dir=None):
     from sklearn.datasets import load_digits
     from sklearn.model_selection import train_test_split
 
@@ -22,28 +44,40 @@ def write_digits(output_dir, size=32, test_fraction=0.2, seed=0):
     images = (digits.images * (255.0 / 16.0)).round().astype(np.uint8)  # values 0..16 -> 0..255
     index = np.arange(len(images))
     train_idx, test_idx = train_test_split(index, test_size=test_fraction, stratify=digits.target, random_state=seed)
-    tmp = output_dir.rstrip("/") + ".tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
+    rng = np.random.default_rng(seed)
+    pools = [suffix_pool(rng) for _ in NAMES]
+    outputs = [output_dir] + ([styled_dir] if styled_dir else [])
+    for out in outputs:
+        shutil.rmtree(out.rstrip("/") + ".tmp", ignore_errors=True)
     for split, indices in (("train", train_idx), ("test", test_idx)):
-        folder = os.path.join(tmp, split)
-        os.makedirs(folder)
-        with open(os.path.join(folder, "metadata.jsonl"), "w") as meta:
-            for i in sorted(indices):
-                label = int(digits.target[i])
-                name = f"{i:04d}.png"
-                image = Image.fromarray(images[i], "L").resize((size, size), Image.BICUBIC).convert("RGB")
-                image.save(os.path.join(folder, name))
-                meta.write(json.dumps({"file_name": name, "label": label,
-                                       "text": f"a handwritten digit {NAMES[label]}"}) + "\n")
-    shutil.rmtree(output_dir, ignore_errors=True)
-    os.replace(tmp, output_dir)  # a half-written folder is never left under the final name
+        folders = [os.path.join(out.rstrip("/") + ".tmp", split) for out in outputs]
+        for folder in folders:
+            os.makedirs(folder)
+        metas = [open(os.path.join(folder, "metadata.jsonl"), "w") for folder in folders]
+        for i in sorted(indices):
+            label = int(digits.target[i])
+            name, text = f"{i:04d}.png", f"a handwritten digit {NAMES[label]}"
+            grey = np.asarray(Image.fromarray(images[i], "L").resize((size, size), Image.BICUBIC))
+            Image.fromarray(grey, "L").convert("RGB").save(os.path.join(folders[0], name))
+            captions = [text] * 3 + [text + pools[label][j] for j in rng.choice(len(pools[label]), 3)]
+            metas[0].write(json.dumps({"file_name": name, "label": label, "text": text, "captions": captions}) + "\n")
+            if styled_dir:
+                Image.fromarray(red_ink(grey), "RGB").save(os.path.join(folders[1], name))
+                metas[1].write(json.dumps({"file_name": name, "label": label, "text": text + STYLE}) + "\n")
+        for meta in metas:
+            meta.close()
+    for out in outputs:
+        shutil.rmtree(out, ignore_errors=True)
+        os.replace(out.rstrip("/") + ".tmp", out)  # a half-written folder is never left under the final name
     return len(train_idx), len(test_idx)
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--output_dir", default="data/digits")
+    parser.add_argument("--styled_dir", default="data/digits-red-ink", help="The red-ink copy ('' for none).")
     parser.add_argument("--resolution", type=int, default=32)
     args = parser.parse_args()
-    n_train, n_test = write_digits(args.output_dir, size=args.resolution)
-    print(f"wrote {n_train} train and {n_test} test images to {args.output_dir}")
+    n_train, n_test = write_digits(args.output_dir, size=args.resolution, styled_dir=args.styled_dir or None)
+    print(f"wrote {n_train} train and {n_test} test images to {args.output_dir}"
+          + (f" and their red-ink copy to {args.styled_dir}" if args.styled_dir else ""))

@@ -1,0 +1,86 @@
+"""How well a text-to-image model draws the digits, and how much of the red-ink style it shows.
+
+- content: the share of samples that the digit classifier (train_classifier.py's output; the repository ships one in
+  assets/digit-classifier) recognises as the prompted digit, after `to_judge` turns any image into white strokes on
+  black (luminance, inverted when the background is light, contrast stretched), so that it also reads styled ones.
+- style rate: the share of samples in the red-ink style: a light background (median luminance > 0.6) and reddish
+  dark strokes (mean R - mean(G, B) > 0.25 over the darkest 15 % of the pixels). The red-ink digits themselves all
+  pass (median luminance 0.83, redness 0.46), the white-on-black ones none (0.14, 0.0).
+Samples: `per_digit` images per digit prompt, seeds 0, 1, ... (one generator per image, so an image does not depend
+on the batch it is drawn in), the pipeline's scheduler as given.
+"""
+import torch
+
+from demo.digits import NAMES, STYLE
+
+JUDGE = "assets/digit-classifier"
+
+
+def digit_prompts(per_digit, style=False):
+    prompts = [f"a handwritten digit {name}{STYLE if style else ''}" for name in NAMES for _ in range(per_digit)]
+    return prompts, torch.arange(10).repeat_interleave(per_digit)
+
+
+@torch.no_grad()
+def generate(pipe, prompts, guidance_scale, num_inference_steps, seed=0, batch_size=100, lora_scale=None):
+    """-> images [N, 3, H, W] in [0, 1]; image i from torch.Generator().manual_seed(seed + i)."""
+    out = []
+    kwargs = {"cross_attention_kwargs": {"scale": lora_scale}} if lora_scale is not None else {}
+    for start in range(0, len(prompts), batch_size):
+        chunk = prompts[start:start + batch_size]
+        generators = [torch.Generator().manual_seed(seed + start + i) for i in range(len(chunk))]
+        out.append(pipe(chunk, num_inference_steps=num_inference_steps, guidance_scale=guidance_scale,
+                        generator=generators, output_type="pt", **kwargs).images.float().cpu())
+    return torch.cat(out)
+
+
+def luminance(x):
+    return 0.299 * x[:, 0] + 0.587 * x[:, 1] + 0.114 * x[:, 2]
+
+
+def style_stats(x, dark_fraction=0.15):
+    """-> (median luminance [N], redness of the darkest pixels [N])."""
+    lum = luminance(x).flatten(1)
+    k = max(1, int(dark_fraction * lum.shape[1]))
+    dark_index = lum.topk(k, dim=1, largest=False).indices
+    dark = torch.gather(x.flatten(2), 2, dark_index[:, None].expand(-1, 3, -1)).mean(2)
+    return lum.median(1).values, dark[:, 0] - dark[:, 1:].mean(1)
+
+
+def in_style(x):
+    median, redness = style_stats(x)
+    return (median > 0.6) & (redness > 0.25)
+
+
+def to_judge(x):
+    """Any image -> white strokes on black, 3 channels (plain digits stay as they are, up to contrast)."""
+    g = luminance(x)
+    light = g.flatten(1).median(1).values > 0.5
+    g = torch.where(light[:, None, None], 1 - g, g)
+    low, high = g.flatten(1).min(1).values[:, None, None], g.flatten(1).max(1).values[:, None, None]
+    g = (g - low) / (high - low).clamp(min=1e-3)
+    return g[:, None].expand(-1, 3, -1, -1).contiguous()
+
+
+class Judge:
+    """The digit classifier: images [N, 3, H, W] in [0, 1] -> predicted digits [N]."""
+
+    def __init__(self, path=JUDGE, device="cpu"):
+        from common.classifier_metrics import ClassifierScorer
+
+        self.scorer = ClassifierScorer(path, device)
+        ids = self.scorer.class_ids([str(i) for i in range(10)])
+        self.digit_of = torch.full((int(ids.max()) + 1,), -1, dtype=torch.long)
+        self.digit_of[ids] = torch.arange(10)
+
+    def predict(self, images):
+        _, predicted = self.scorer(to_judge(images))
+        return self.digit_of[predicted.cpu()]
+
+
+def score(images, labels, judge):
+    """-> {"content": share recognised, "style_rate": share in style, "per_digit": content per digit}."""
+    correct = judge.predict(images) == labels
+    return {"content": round(correct.float().mean().item(), 4),
+            "style_rate": round(in_style(images).float().mean().item(), 4),
+            "per_digit": [round(correct[labels == d].float().mean().item(), 2) for d in range(10)]}
