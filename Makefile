@@ -12,7 +12,7 @@ HAS_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo yes)
 CONFIG ?= $(if $(HAS_GPU),accelerate_configs/single_gpu.yaml,accelerate_configs/cpu.yaml)
 # accelerate runs several CPU processes only with this variable set (see accelerate_configs/cpu_2proc.yaml).
 # On CPU, glibc keeps freed memory instead of handing it back after each step and faulting it in again at the
-# next (the VAE encode of train_lora.py without --cache_latents: 9 % of a step; see README, Performance).
+# next (the VAE encode of train_lora.py without --cache_latents; see docs/performance.md).
 CPU_MALLOC := MALLOC_MMAP_THRESHOLD_=33554432 MALLOC_TRIM_THRESHOLD_=268435456
 LAUNCH_ENV := $(if $(findstring cpu,$(notdir $(CONFIG))),ACCELERATE_USE_CPU=1 $(CPU_MALLOC),)
 # `accelerate launch` through common/launch.py: a script's one error line stays the last word (no launcher traceback),
@@ -60,7 +60,7 @@ $(TINY_SD): | install
 	$(PY) -m demo.tiny_sd --output_dir models/tiny-sd
 
 # The LoRA demo: the tiny base, the digits captions. One thread per CPU process: the models are small, and on a
-# shared CPU several threads per process spin against each other (measured 5-10x slower).
+# shared CPU several threads per process spin against each other (see docs/train_lora.md).
 LORA_OUT = $(or $(OUTPUT),outputs/lora)
 # The demo's size, learning rate and batch for the tiny base; with another base (--pretrained_model_name_or_path in
 # ARGS) the script's own defaults: the base's native resolution, LR 1e-4, batch 16.

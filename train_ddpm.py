@@ -1,14 +1,15 @@
 #!/usr/bin/env python
 """Train a DDPM from scratch, unconditional or class-conditional with classifier-free guidance.
 
-The DDPM part of the seed notes, complete: `DDPMScheduler.add_noise` at random timesteps, the UNet predicting the
-noise (or v, or the clean image), MSE with min-SNR-gamma weights, an EMA of the weights, class dropout so that one
-model learns the conditional and the unconditional prediction (guidance: uncond + w * (cond - uncond)), validation
-grids drawn with a fast sampler (DDIM/DPM-Solver) and scored by a train_classifier.py classifier when given,
-resumable checkpoints, and an output that `DDPMPipeline.from_pretrained` loads (sample.py draws from it).
+The whole DDPM recipe, after diffusers' train_unconditional.py example: `DDPMScheduler.add_noise` at random
+timesteps, the UNet predicting the noise (or v, or the clean image), MSE with min-SNR-gamma weights, an EMA of the
+weights, class dropout so that one model learns the conditional and the unconditional prediction (guidance:
+uncond + w * (cond - uncond)), validation grids drawn with a fast sampler (DDIM/DPM-Solver) and scored by a
+train_classifier.py classifier when given, resumable checkpoints, and an output that `DDPMPipeline.from_pretrained`
+loads (sample.py draws from it).
 
 Built-in demo (scikit-learn's digits at 16 px, a row per digit, a 0.7 M-parameter UNet from scratch, one CPU
-thread, ~7.5 minutes; a separate classifier recognises ~98 % of its samples at the default guidance 1.5):
+thread, ~7.5 minutes; how well a classifier recognises its samples: docs/train_ddpm.md):
     make train-ddpm && make sample-ddpm
 One GPU:
     accelerate launch --config_file accelerate_configs/single_gpu.yaml train_ddpm.py --class_column label --use_ema
@@ -62,12 +63,12 @@ def parse_args(argv=None):
     g.add_argument("--ddpm_num_steps", type=positive_int, default=1000, help="Training timesteps.")
     g.add_argument("--ddpm_beta_schedule", default="squaredcos_cap_v2",
                    choices=["linear", "scaled_linear", "squaredcos_cap_v2"],
-                   help="The cosine schedule wastes fewer steps on pure noise (measured: better digits than linear).")
+                   help="Cosine wastes fewer steps on pure noise than linear (compared in docs/train_ddpm.md).")
     g.add_argument("--ddpm_beta_start", type=positive_float, default=1e-4, help="linear/scaled_linear schedules.")
     g.add_argument("--ddpm_beta_end", type=positive_float, default=0.02, help="linear/scaled_linear schedules.")
     g.add_argument("--prediction_type", default="epsilon", choices=["epsilon", "v_prediction", "sample"])
     g.add_argument("--snr_gamma", type=float, default=5.0,
-                   help="Min-SNR-gamma loss weights (Hang et al., 2023; measured: much faster learning); 0: plain MSE.")
+                   help="Min-SNR-gamma loss weights (Hang et al., 2023); 0: plain MSE.")
     add_ema_args(g)
     g = parser.add_argument_group("validation")
     g.add_argument("--validation_steps", type=positive_int, default=1000,
@@ -190,7 +191,7 @@ def main(args):
             real_features, _ = scorer(torch.stack([item["pixel_values"] for item in real]) / 2 + 0.5)
 
     # 4. Optimizer; warm-up -> cosine counted in optimizer steps.
-    # fused AdamW: one kernel for all parameters (3-4x faster than the default per-tensor loop on CPU and GPU).
+    # fused AdamW: one kernel for all parameters instead of a loop over tensors (timings: docs/performance.md).
     optimizer = torch.optim.AdamW(build_param_groups(unet, args.learning_rate, args.adam_weight_decay),
                                   betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon,
                                   fused=accelerator.device.type in ("cpu", "cuda"))

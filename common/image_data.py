@@ -177,7 +177,7 @@ class ImageDataset(torch.utils.data.Dataset):
         self.seed, self.epoch = seed, 0
         self.cache = None
         if len(self.images) * 3 * resolution * resolution <= cache_limit_gb * 2**30:
-            values = self.images[:]  # the whole column in one read (row by row costs 0.3 ms an image)
+            values = self.images[:]  # the whole column in one read (row by row is far slower)
             self.cache = stack_if_uniform([decode_image(value, resolution, i) for i, value in enumerate(values)])
 
     def _decode(self, index):
@@ -188,7 +188,7 @@ class ImageDataset(torch.utils.data.Dataset):
 
     def augmentation(self, index, h, w):
         """(top, left, flip) of item `index` (an h x w image) in the current epoch: 64 random bits hashed from
-        (seed, epoch, index). (A torch.Generator per item cost 20 us, 4 % of a step of the classifier demo.)"""
+        (seed, epoch, index): cheaper than a torch.Generator per item (timings: docs/performance.md)."""
         r = self.resolution
         bits = splitmix64(splitmix64(splitmix64(self.seed) ^ self.epoch) ^ index)
         if self.center_crop:
@@ -235,8 +235,7 @@ class ImageDataset(torch.utils.data.Dataset):
         """The DataLoader's whole batch at once (give it collate_fn=collate_batch): what default_collate makes of
         the __getitem__ items, bit for bit, with one normalization and one gather per column instead of a dict per
         image. When nothing is drawn (no flips; center crops, or images already R x R) and the decoded images share
-        one size, the pixels are one index_select of the cache too (0.7 -> 0.08 ms a 64-image batch of the
-        classifier demo)."""
+        one size, the pixels are one index_select of the cache too (timings: docs/performance.md)."""
         index = torch.as_tensor(indices)
         r = self.resolution
         fixed = self.fixed_crop(*self.cache.shape[-2:]) if isinstance(self.cache, torch.Tensor) else None
@@ -263,7 +262,7 @@ def stack_if_uniform(images):
 
 def gather(values, index):
     """values[index] (index: a 1-D tensor) as default_collate stacks them: a tensor column in one index_select
-    (torch's advanced indexing is 10-20x slower on small batches)."""
+    (torch's advanced indexing is much slower on small batches)."""
     if isinstance(values, torch.Tensor):
         return values.index_select(0, index)
     return torch.utils.data.default_collate([values[i] for i in index.tolist()])

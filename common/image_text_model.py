@@ -1,4 +1,4 @@
-"""The seed notes' image+text classifier: pooled image features and pooled text features -> a linear head.
+"""An image+text classifier: pooled image features and pooled text features -> a linear head.
 
 Its three parts (`image_model`, `text_model`, `head`) are the module prefixes `--lr_groups` takes.
 Saved as image_model/, text_model/ (from_pretrained folders), head.safetensors and labels.json.

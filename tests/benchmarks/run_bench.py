@@ -199,7 +199,7 @@ def summarize(runs, targets):
 
 
 def markdown_table(header, rows):
-    """Aligned markdown (pasteable into the README)."""
+    """Aligned markdown (pasteable into docs/performance.md)."""
     widths = [max(len(str(row[i])) for row in [header, *rows]) for i in range(len(header))]
 
     def line(row):
@@ -209,7 +209,7 @@ def markdown_table(header, rows):
 
 
 def table(results):
-    """One markdown table (pasteable into the README)."""
+    """One markdown table (pasteable into docs/performance.md)."""
     t = results["targets"]
     header = ["what", "recipe", "reference loop", "ratio", "target", "ok", "samples/s", "peak RSS MB (ref)",
               "first step s (ref)"]
