@@ -21,7 +21,7 @@ LAUNCH := $(LAUNCH_ENV) $(PY) -m common.launch --config_file $(CONFIG)
 ARGS ?=
 DIGITS := data/digits/train/metadata.jsonl
 
-.PHONY: install lint data env tiny-sd-base train-classifier train-ddpm sample-ddpm tiny-sd train-lora sample-lora inspect test clean
+.PHONY: install lint data env tiny-sd-base train-text-to-image train-classifier train-ddpm sample-ddpm tiny-sd train-lora sample-lora inspect test clean
 
 install: $(VENV)/.installed
 $(VENV)/.installed: requirements.txt
@@ -76,23 +76,39 @@ BASE_UNET_ARGS := --pretrained_model_name_or_path $(BASE_WORK)/init --unet_confi
 BASE_DIR ?= assets/tiny-sd-digits
 tiny-sd-base: data
 	$(PY) -m demo.tiny_sd_base vae --output_dir $(BASE_WORK)/init $(BASE_VAE_ARGS)
-	$(LAUNCH) $(if $(LAUNCH_ENV),--num_cpu_threads_per_process 2,) train_text_to_image.py $(BASE_UNET_ARGS) $(ARGS)
+	$(LAUNCH) $(if $(LAUNCH_ENV),--num_cpu_threads_per_process 1,) train_text_to_image.py $(BASE_UNET_ARGS) $(ARGS)
 	$(PY) -m demo.tiny_sd_base finish --model $(BASE_WORK)/unet --init $(BASE_WORK)/init --output_dir $(BASE_DIR) \
 	  $(BASE_FINISH_ARGS) --commands 'make data ;; python -m demo.tiny_sd_base vae --output_dir $(BASE_WORK)/init \
 	  $(BASE_VAE_ARGS) ;; accelerate launch --config_file $(CONFIG) train_text_to_image.py \
 	  $(subst ",\",$(BASE_UNET_ARGS)) $(ARGS) ;; python -m demo.tiny_sd_base finish --model $(BASE_WORK)/unet \
 	  --init $(BASE_WORK)/init --output_dir $(BASE_DIR) $(BASE_FINISH_ARGS)'
 
-LORA_DEMO = $(if $(findstring --pretrained_model_name_or_path,$(ARGS)),,--resolution 32 --learning_rate 2e-3 \
-  --train_batch_size 32)
-LORA_PROMPTS := --prompt "a handwritten digit zero" --prompt "a handwritten digit three" \
-  --prompt "a handwritten digit seven"
-train-lora: data $(TINY_SD)
-	$(LAUNCH) $(if $(LAUNCH_ENV),--num_cpu_threads_per_process 1,) train_lora.py --train_data_dir data/digits \
-	  --output_dir $(LORA_OUT) --cache_latents --validation_prompt "a handwritten digit seven" $(LORA_DEMO) $(ARGS)
-	$(MAKE) --no-print-directory sample-lora OUTPUT=$(LORA_OUT) ARGS=
+# Full fine-tuning of the shipped base's UNet on the red-ink digits (the LoRA demo's data), EMA exported.
+train-text-to-image: data
+	$(LAUNCH) $(if $(LAUNCH_ENV),--num_cpu_threads_per_process 1,) train_text_to_image.py \
+	  --train_data_dir data/digits-red-ink --output_dir $(or $(OUTPUT),outputs/text-to-image) --cache_latents \
+	  --use_ema --ema_max_decay 0.999 --learning_rate 1e-3 --train_batch_size 16 --max_train_steps 300 \
+	  --validation_prompt "a handwritten digit seven, red ink on paper" --validation_steps 100 $(ARGS)
+
+# The demo: a style LoRA (red ink on paper, a style the base never saw) on the shipped tiny base, LoRA on the
+# attention, feed-forward and convolution layers (on the 1 M-parameter UNet, attention alone learns the colours but
+# loses the digits); then demo/style_report.py measures it and draws it side by side with the base. With a base of
+# your own in ARGS (--pretrained_model_name_or_path ...), none of the demo's flags and a sample grid instead.
+DEMO_LORA = $(if $(findstring --pretrained_model_name_or_path,$(ARGS)),,yes)
+LORA_TARGETS := to_k,to_q,to_v,to_out.0,proj_in,proj_out,ff.net.0.proj,ff.net.2,conv1,conv2,conv_shortcut,conv_in,$\
+  conv_out,time_emb_proj
+LORA_DEMO = $(if $(DEMO_LORA),--train_data_dir data/digits-red-ink --learning_rate 3e-3 --train_batch_size 16 \
+  --max_train_steps 400 --target_modules $(LORA_TARGETS) --validation_prompt "a handwritten digit seven, red ink on paper")
+LORA_PROMPTS := --prompt "a handwritten digit zero, red ink on paper" --prompt "a handwritten digit three, red ink on \
+  paper" --prompt "a handwritten digit seven, red ink on paper"
+train-lora: data
+	$(LAUNCH) $(if $(LAUNCH_ENV),--num_cpu_threads_per_process 1,) train_lora.py --output_dir $(LORA_OUT) \
+	  --cache_latents $(LORA_DEMO) $(ARGS)
+	OMP_NUM_THREADS=1 $(PY) $(if $(DEMO_LORA),-m demo.style_report --lora $(LORA_OUT),sample.py --model $(LORA_OUT) \
+	  $(LORA_PROMPTS) --num_images 4)
 	@echo "LoRA: $(LORA_OUT)/pytorch_lora_weights.safetensors (lora_info.json, README.md, all_results.json)"
-	@echo "validation images: $(LORA_OUT)/samples/step-*/   sample grid: $(LORA_OUT)/samples/grid.png"
+	@echo "validation images: $(LORA_OUT)/samples/step-*/$(if $(DEMO_LORA),   side by side: \
+	  $(LORA_OUT)/side_by_side.png,   sample grid: $(LORA_OUT)/samples/grid.png)"
 
 sample-lora: | install
 	OMP_NUM_THREADS=1 $(PY) sample.py --model $(LORA_OUT) $(LORA_PROMPTS) --num_images 4 $(ARGS)

@@ -11,8 +11,10 @@ a model card, and lora_info.json, from which sample.py finds the base model.
 Defaults suit a real base: --resolution is the base's native size (its VAE's sample_size, 512 for SD 1.5),
 --learning_rate 1e-4, --train_batch_size 16, as in diffusers' LoRA example.
 
-Built-in demo (a tiny random-init SD that `make tiny-sd` builds offline, the digits captions, CPU, ~2 minutes; the
-Makefile passes the demo's --resolution 32 --learning_rate 2e-3 --train_batch_size 32):
+Built-in demo (CPU, a few minutes): a style LoRA, "red ink on paper", on the tiny digits base shipped in
+assets/tiny-sd-digits (white-on-black digits only), then its measured effect and a side-by-side picture
+(demo/style_report.py); the Makefile passes the demo's data, --learning_rate 3e-3, --train_batch_size 16,
+--max_train_steps 400 and LoRA on the convolutions and feed-forward layers too:
     make train-lora
 One GPU, Stable Diffusion 1.5 from the hub (at 512 px, its native size):
     accelerate launch --config_file accelerate_configs/single_gpu.yaml train_lora.py \
@@ -43,9 +45,8 @@ from common.args import (
 from common.checkpoints import read_checkpoint_info, resolve_resume
 from common.cli import UserError, run
 from common.diffusion import SCHEDULER_CLASSES, SD_SCHEDULER
-from common.stable_diffusion import check_local_resolution, check_sd_pipeline
+from common.stable_diffusion import SHIPPED_BASE, check_local_resolution, check_sd_pipeline
 
-TINY_SD = "models/tiny-sd"
 UNET_TARGETS = "to_k,to_q,to_v,to_out.0"
 TEXT_ENCODER_TARGETS = ["q_proj", "k_proj", "v_proj", "out_proj"]
 SAME_LORA = ("rank", "lora_alpha", "target_modules", "use_dora", "train_text_encoder")  # needed to resume
@@ -65,9 +66,8 @@ def parse_args(argv=None):
     g.add_argument("--cache_latents", action="store_true",
                    help="VAE-encode every image once (implies --center_crop; with --random_flip both orientations).")
     g = parser.add_argument_group("model")
-    g.add_argument("--pretrained_model_name_or_path", default=TINY_SD,
-                   help="A StableDiffusionPipeline: hub id or folder "
-                   "(default: the offline tiny one of `make tiny-sd`).")
+    g.add_argument("--pretrained_model_name_or_path", default=SHIPPED_BASE,
+                   help="A StableDiffusionPipeline: hub id or folder (default: the shipped tiny digits base).")
     g.add_argument("--revision", default=None, help="Hub revision of the base model.")
     g.add_argument("--variant", default=None, help="Weights variant of the base model, e.g. fp16.")
     g.add_argument("--prediction_type", default=None, choices=["epsilon", "v_prediction", "sample"],
@@ -103,9 +103,6 @@ def parse_args(argv=None):
     add_logging_args(parser, project_name="train_lora")
     args = parser.parse_args(argv)
     check_common_args(args)
-    if args.pretrained_model_name_or_path == TINY_SD and not os.path.isdir(TINY_SD):
-        parser.error(f"the default base {TINY_SD} is not built yet: run `make tiny-sd` (or give "
-                     "--pretrained_model_name_or_path, e.g. stable-diffusion-v1-5/stable-diffusion-v1-5)")
     check_sd_pipeline(args.pretrained_model_name_or_path, "--pretrained_model_name_or_path")
     args.resolution = check_local_resolution(args.pretrained_model_name_or_path, args.resolution)
     args.lora_alpha = args.lora_alpha or args.rank

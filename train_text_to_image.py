@@ -8,8 +8,8 @@ dropout so that classifier-free guidance works, min-SNR weighting, noise offset,
 exported), validation images, resumable checkpoints. Writes a complete StableDiffusionPipeline folder
 (`StableDiffusionPipeline.from_pretrained(output_dir)`, sample.py, and a base for train_lora.py) and a model card.
 
-Built-in demo (CPU, ~2 minutes): a full fine-tune of the shipped tiny base on the red-ink digits that `make data`
-writes (the LoRA recipe's data, for comparison):
+Built-in demo (CPU): a full fine-tune of the shipped tiny base on the red-ink digits that `make data` writes (the
+LoRA recipe's data, for comparison):
     make train-text-to-image
 `make tiny-sd-base` trains the shipped base itself with this script (from --unet_config, on the digits).
 One GPU, Stable Diffusion 1.5 from the hub (full fine-tuning wants a large GPU; bf16 and 8-bit Adam help):

@@ -11,8 +11,6 @@ import os
 import re
 import shutil
 
-import safetensors.torch
-
 from .cli import UserError, write_error_reason
 
 _NAME = re.compile(r"^checkpoint-(\d+)$")
@@ -133,6 +131,8 @@ def _save(model, path):
         model.save_pretrained(path, safe_serialization=True)
     else:
         os.makedirs(path, exist_ok=True)
+        import safetensors.torch  # here: importing torch costs seconds, and --help needs none
+
         safetensors.torch.save_model(model, os.path.join(path, "model.safetensors"))
 
 
@@ -141,6 +141,8 @@ def _load(model, path):
         loaded = type(model).from_pretrained(path)
         model.load_state_dict(loaded.state_dict())
     else:
+        import safetensors.torch
+
         safetensors.torch.load_model(model, os.path.join(path, "model.safetensors"))
 
 

@@ -22,11 +22,28 @@ def _is_rank_zero():
     return os.environ.get("RANK", "0") == "0"
 
 
+class _DropMessages(logging.Filter):
+    def __init__(self, *needles):
+        super().__init__()
+        self.needles = needles
+
+    def filter(self, record):
+        return not any(needle in record.getMessage() for needle in self.needles)
+
+
+def quiet_libraries():
+    """Drop library notices that say nothing about a run: transformers' fallback to the PIL image processors (this
+    project does not install torchvision), and diffusers' note that a LoRA file has no text-encoder weights."""
+    logging.getLogger("transformers.utils.import_utils").addFilter(_DropMessages("requires torchvision"))
+    logging.getLogger("diffusers.loaders.lora_base").addFilter(_DropMessages("No LoRA keys associated to"))
+
+
 def run(main, parse_args, argv=None):
     """Parse the flags and run `main(args)`; turn a UserError, or a write that failed for want of space or
     permission, into `error: <message>` and exit 2."""
     # A handler for the scripts' own INFO loggers; libraries keep their WARNING levels.
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    quiet_libraries()
     try:
         main(parse_args(argv))
     except UserError as err:

@@ -18,6 +18,9 @@ CHECKSUMS = "checksums.sha256"  # `sha256sum -c` format: a shipped folder's file
 def check_sd_pipeline(path, flag):
     """A local folder must hold a StableDiffusionPipeline (and match its checksums.sha256, if it has one); anything
     else must look like a hub id (owner/name)."""
+    if os.path.normpath(path) == SHIPPED_BASE and not os.path.isdir(path):
+        raise UserError(f"{flag} '{path}' (the shipped tiny base) is missing: restore it (`git checkout -- {path}`) "
+                        "or rebuild it (`make tiny-sd-base`)")
     if os.path.isdir(path):
         verify_checksums(path, flag)
         missing = [part for part in ("model_index.json", *PARTS) if not os.path.exists(os.path.join(path, part))]

@@ -1,0 +1,85 @@
+"""`python -m demo.style_report --lora outputs/lora`: what the red-ink style LoRA of `make train-lora` learned.
+
+The LoRA's base (from lora_info.json) with `load_lora_weights`, prompted "a handwritten digit <d>, red ink on paper"
+for each digit, `--per_digit` seeds each, at each LoRA scale of `--lora_scales` (0 is the base alone: the style
+prompt without the LoRA), with sample.py's default sampler, steps and guidance. Measured by demo/digit_eval.py:
+style rate (share of samples in the red-ink style) and content (share the digit classifier recognises as the
+prompted digit once the style is undone). Writes side_by_side.png (a row per scale, a column per digit, same seeds)
+and the numbers into the LoRA's all_results.json, and prints them.
+"""
+import argparse
+import json
+import os
+import time
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--lora", default="outputs/lora", help="A train_lora.py output folder.")
+    parser.add_argument("--per_digit", type=int, default=10, help="Samples per digit and scale.")
+    parser.add_argument("--lora_scales", default="0,0.5,1", help="Comma-separated; 0 = without the LoRA.")
+    parser.add_argument("--judge", default="assets/digit-classifier", help="The digit classifier.")
+    parser.add_argument("--seed", type=int, default=0)
+    return parser.parse_args(argv)
+
+
+def main(args):
+    import torch
+    from diffusers import StableDiffusionPipeline
+
+    from common.diffusion import (
+        SD_GUIDANCE_SCALE,
+        SD_INFERENCE_STEPS,
+        SD_SCHEDULER,
+        image_grid,
+        sampling_scheduler,
+        to_pil,
+    )
+    from common.stable_diffusion import read_lora_info
+    from demo.digit_eval import Judge, digit_prompts, generate, score
+
+    info = read_lora_info(args.lora)
+    pipe = StableDiffusionPipeline.from_pretrained(info["base_model"], dtype=torch.float32)
+    pipe.scheduler = sampling_scheduler(SD_SCHEDULER, pipe.scheduler.config)
+    pipe.set_progress_bar_config(disable=True)
+    pipe.load_lora_weights(args.lora)
+    judge = Judge(args.judge)
+    prompts, labels = digit_prompts(args.per_digit, style=True)
+    rows, sweep, start = [], [], time.time()
+    for scale in [float(s) for s in args.lora_scales.split(",")]:
+        images = generate(pipe, prompts, SD_GUIDANCE_SCALE, SD_INFERENCE_STEPS, seed=args.seed, lora_scale=scale)
+        sweep.append({"lora_scale": scale, **score(images, labels, judge)})
+        rows.append(images[::args.per_digit])  # the first seed of each digit
+    picture = os.path.join(args.lora, "side_by_side.png")
+    image_grid(to_pil(torch.cat(rows) * 2 - 1), ncol=10).resize((10 * 64, len(rows) * 64), 0).save(picture)
+    without = next((r for r in sweep if r["lora_scale"] == 0), None)
+    full = next((r for r in sweep if r["lora_scale"] == 1), sweep[-1])
+    results = {"style_rate_without_lora": without["style_rate"] if without else None,
+               "style_rate": full["style_rate"], "content": full["content"],
+               "style_eval": {"prompt": "a handwritten digit <d>, red ink on paper", "samples_per_digit":
+                              args.per_digit, "sampler": SD_SCHEDULER, "num_inference_steps": SD_INFERENCE_STEPS,
+                              "guidance_scale": SD_GUIDANCE_SCALE, "lora_scale_sweep": sweep,
+                              "time_s": round(time.time() - start, 1)}}
+    path = os.path.join(args.lora, "all_results.json")
+    existing = {}
+    if os.path.isfile(path):
+        with open(path) as f:
+            existing = json.load(f)
+    with open(path, "w") as f:
+        json.dump({**existing, **results}, f, indent=2)
+    print(f"style LoRA ({10 * args.per_digit} samples per scale, \"a handwritten digit <d>, red ink on paper\"):")
+    for row in sweep:
+        print(f"  LoRA scale {row['lora_scale']:<4g} style rate {row['style_rate']:6.1%}   content "
+              f"{row['content']:6.1%}")
+    print(f"side by side (a row per scale, same seeds): {picture}")
+    return results
+
+
+if __name__ == "__main__":
+    import torch
+
+    from common.cli import quiet_libraries
+
+    quiet_libraries()
+    torch.set_num_threads(max(1, min(torch.get_num_threads(), 2)))
+    main(parse_args())
