@@ -25,7 +25,7 @@ import os
 import re
 
 from common.args import check_writable, make_parser, non_negative_int, positive_int
-from common.cli import UserError, run
+from common.cli import UserError, first_line, run
 from common.diffusion import DEFAULT_GUIDANCE_SCALE
 from common.stable_diffusion import LORA_WEIGHTS, TINY_HINT, check_safetensors, read_lora_info
 
@@ -104,11 +104,6 @@ def check_args(args):
         elif args.trajectory_steps > args.num_inference_steps:
             raise UserError(f"--trajectory_steps {args.trajectory_steps} is more than --num_inference_steps "
                             f"{args.num_inference_steps}")
-
-
-def first_line(err):
-    line = (str(err).strip().splitlines() or [type(err).__name__])[0]
-    return line if len(line) < 300 else line[:297] + "..."  # hub errors run to paragraphs
 
 
 def load_pipeline(args, torch_dtype):

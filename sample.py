@@ -14,7 +14,7 @@ import json
 import os
 
 from common.args import check_writable, make_parser, non_negative_int, positive_float, positive_int
-from common.cli import UserError, run
+from common.cli import UserError, first_line, one_line, run
 from common.diffusion import DEFAULT_SCHEDULER, SCHEDULER_CLASSES, SD_SCHEDULER
 
 
@@ -155,7 +155,7 @@ def sample_ddpm(args):
         training_scheduler = DDPMScheduler.from_pretrained(os.path.join(args.model, "scheduler"))
     except (OSError, ValueError) as err:
         raise UserError(f"--model '{args.model}': cannot load its UNet or scheduler: "
-                        f"{str(err).splitlines()[0]}") from None
+                        f"{first_line(err)}") from None
     finally:
         diffusers_logging.set_verbosity(verbosity)
 
@@ -242,7 +242,7 @@ def sample_sd(args):
                 pipe.load_lora_weights(folder or ".", weight_name=weight_name, adapter_name=name)
     except (RuntimeError, ValueError, KeyError, OSError) as err:
         raise UserError(f"--lora '{path}' does not fit the base model '{base}' (a LoRA for another model?): "
-                        f"{' '.join(str(err).split())[:300]}") from None
+                        f"{one_line(err)}") from None
     finally:
         diffusers_logging.set_verbosity(verbosity[0])
         transformers_logging.set_verbosity(verbosity[1])

@@ -35,7 +35,7 @@ from common.args import (
     make_parser,
     positive_int,
 )
-from common.cli import UserError, run
+from common.cli import UserError, first_line, run
 from common.training import parse_lr_groups
 
 
@@ -172,7 +172,7 @@ def main(args):
                 label2id={v: k for k, v in id2label.items()}, ignore_mismatched_sizes=True)
         except (OSError, ValueError) as err:
             raise UserError(f"--model_name_or_path: cannot load an image classifier from "
-                            f"'{args.model_name_or_path}': {str(err).splitlines()[0]}") from None
+                            f"'{args.model_name_or_path}': {first_line(err)}") from None
     else:
         model = AutoModelForImageClassification.from_config(small_resnet_config(ResNetConfig, len(labels), id2label))
     if args.channels_last:  # 4-D weights only: a ViT or a text model is left as it is

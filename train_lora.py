@@ -41,7 +41,7 @@ from common.args import (
     probability,
 )
 from common.checkpoints import read_checkpoint_info, resolve_resume
-from common.cli import UserError, run
+from common.cli import UserError, first_line, run
 from common.diffusion import SCHEDULER_CLASSES, SD_SCHEDULER
 from common.stable_diffusion import check_local_resolution, check_sd_pipeline
 
@@ -227,7 +227,7 @@ def main(args):
                                     init_lora_weights="gaussian", target_modules=args.target_modules,
                                     use_dora=args.use_dora))
     except ValueError as err:  # e.g. a target that is not a Linear/Conv layer
-        raise UserError(f"--target_modules: {str(err).splitlines()[0]}") from None
+        raise UserError(f"--target_modules: {first_line(err)}") from None
     trained = {"unet": unet}
     if args.train_text_encoder:
         text_encoder.add_adapter(LoraConfig(r=args.rank, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,

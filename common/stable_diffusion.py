@@ -5,7 +5,7 @@ the kohya key format that A1111, ComfyUI and diffusers' own loader read."""
 import json
 import os
 
-from .cli import UserError
+from .cli import UserError, first_line
 
 LORA_INFO = "lora_info.json"
 LORA_WEIGHTS = "pytorch_lora_weights.safetensors"  # diffusers' name: pipe.load_lora_weights(folder) finds it
@@ -88,9 +88,8 @@ def check_safetensors(path, flag):
 
 def load_error(flag, path, err):
     """UserError for a pipeline (part) that failed to load: the first line of the cause, and what to try."""
-    first = (str(err).strip().splitlines() or [type(err).__name__])[0]
     hint = TINY_HINT if not os.path.isdir(path) else "is it a complete Stable Diffusion pipeline?"
-    return UserError(f"{flag}: cannot load Stable Diffusion from '{path}': {first} ({hint})")
+    return UserError(f"{flag}: cannot load Stable Diffusion from '{path}': {first_line(err)} ({hint})")
 
 
 def write_lora_info(folder, info):

@@ -12,7 +12,7 @@ from conftest import CONFIGS
 from PIL import Image
 
 from common.checkpoints import list_checkpoints, resolve_resume, save_checkpoint
-from common.cli import UserError
+from common.cli import UserError, first_line, one_line
 from common.image_data import (
     ImageDataset,
     collate_batch,
@@ -320,3 +320,11 @@ def test_preemption_guard_ignores_a_copy_of_the_signal_and_stops_at_a_real_secon
         assert stopped.value.code == 128 + signal.SIGINT
     finally:
         guard.restore()
+
+
+def test_first_line_and_one_line_of_an_error():
+    hub = OSError("We couldn't connect to 'https://huggingface.co'.\nCheck your connection or see the docs at ...")
+    assert first_line(hub) == "We couldn't connect to 'https://huggingface.co'."
+    assert first_line(ValueError("")) == "ValueError" and one_line(KeyError()) == "KeyError"
+    assert first_line(ValueError("x" * 400)) == "x" * 297 + "..." and len(first_line(ValueError("x" * 400), 200)) == 200
+    assert one_line(ValueError("while parsing a block\n  in line 3")) == "while parsing a block in line 3"
