@@ -24,7 +24,7 @@ import json
 import os
 import re
 
-from common.args import check_writable, make_parser, non_negative_int, positive_int
+from common.args import check_writable, is_hub_id, make_parser, non_negative_int, positive_int
 from common.cli import UserError, first_line, run
 from common.diffusion import DEFAULT_GUIDANCE_SCALE
 from common.stable_diffusion import LORA_WEIGHTS, TINY_HINT, check_safetensors, read_lora_info
@@ -72,7 +72,7 @@ def model_kind(path):
                 return kind
         raise UserError(f"'{path}' is not a diffusion pipeline: it has no model_index.json, unet/ or LoRA weights "
                         f"({TINY_HINT})")
-    if os.path.exists(path) or path.count("/") != 1 or path.startswith((".", "/")):
+    if not is_hub_id(path):
         raise UserError(f"'{path}' is neither a pipeline folder nor a hub id (owner/name)")
     return "hub"
 

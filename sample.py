@@ -13,7 +13,7 @@ A train_lora.py output or checkpoint (its base model is read from its metadata),
 import json
 import os
 
-from common.args import check_writable, make_parser, non_negative_int, positive_float, positive_int
+from common.args import check_writable, is_hub_id, make_parser, non_negative_int, positive_float, positive_int
 from common.cli import UserError, first_line, one_line, run
 from common.diffusion import DEFAULT_SCHEDULER, SCHEDULER_CLASSES, SD_SCHEDULER
 
@@ -90,7 +90,7 @@ def model_kind(path):
         if "unet" in names and "vae" not in names and ("scheduler" in names or "unet_ema" in names):
             return "ddpm"
         return "sd"
-    if os.path.exists(path) or path.count("/") != 1:
+    if not is_hub_id(path):
         raise UserError(f"--model '{path}' is neither a folder nor a hub id")
     return "sd"
 
@@ -205,7 +205,7 @@ def sample_sd(args):
     for path, _ in loras:
         if os.path.isdir(path) and not os.path.isfile(os.path.join(path, LORA_WEIGHTS)):
             raise UserError(f"--lora '{path}': no {LORA_WEIGHTS} in that folder")
-        if not os.path.exists(path) and (path.count("/") != 1 or path.endswith(".safetensors")):
+        if not os.path.exists(path) and not is_hub_id(path):
             raise UserError(f"--lora '{path}': no such file or folder")
         if os.path.exists(path):  # a damaged or non-safetensors file: at once, not after the base has loaded
             check_safetensors(os.path.join(path, LORA_WEIGHTS) if os.path.isdir(path) else path, "--lora")

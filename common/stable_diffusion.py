@@ -5,6 +5,7 @@ the kohya key format that A1111, ComfyUI and diffusers' own loader read."""
 import json
 import os
 
+from .args import is_hub_id
 from .cli import UserError, first_line
 
 LORA_INFO = "lora_info.json"
@@ -20,7 +21,7 @@ def check_sd_pipeline(path, flag):
         if missing:
             raise UserError(f"{flag} '{path}' is not a Stable Diffusion pipeline folder "
                             f"(no {', '.join(missing)}); {TINY_HINT}")
-    elif os.path.exists(path) or path.count("/") != 1 or path.startswith((".", "/")):
+    elif not is_hub_id(path):
         raise UserError(f"{flag} '{path}' is neither a pipeline folder nor a hub id; {TINY_HINT}")
 
 

@@ -328,3 +328,14 @@ def test_first_line_and_one_line_of_an_error():
     assert first_line(ValueError("")) == "ValueError" and one_line(KeyError()) == "KeyError"
     assert first_line(ValueError("x" * 400)) == "x" * 297 + "..." and len(first_line(ValueError("x" * 400), 200)) == 200
     assert one_line(ValueError("while parsing a block\n  in line 3")) == "while parsing a block in line 3"
+
+
+def test_is_hub_id_follows_the_hubs_naming_rule(tmp_path):
+    from common.args import is_hub_id
+
+    for name in ("gpt2", "stable-diffusion-v1-5/stable-diffusion-v1-5", "google/ddpm-cifar10-32", "a.b_c/d.e"):
+        assert is_hub_id(name), name
+    (tmp_path / "here").mkdir()
+    for name in (str(tmp_path / "here"), str(tmp_path / "missing"), "./models/tiny-sd", "~/model", "a/b/c",
+                 "owner/-name", "owner/name.", "a--b/c", "a../b", "lora.safetensors", "owner/unet.json", ""):
+        assert not is_hub_id(name), name
