@@ -24,15 +24,20 @@ import json
 import os
 import re
 
-from common.args import check_writable, is_hub_id, make_parser, non_negative_int, positive_int
+from common.args import (
+    add_device_args,
+    check_writable,
+    device_and_dtype,
+    is_hub_id,
+    make_parser,
+    non_negative_int,
+    positive_int,
+)
 from common.cli import UserError, first_line, run
 from common.diffusion import DEFAULT_GUIDANCE_SCALE
 from common.stable_diffusion import LORA_WEIGHTS, TINY_HINT, check_safetensors, read_lora_info
 
 # common.call_recorder, the pipelines and torch are imported in main(): --help and flag errors answer at once.
-
-DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
-
 
 def parse_args(argv=None):
     parser = make_parser(__doc__.splitlines()[0])
@@ -41,8 +46,7 @@ def parse_args(argv=None):
     parser.add_argument("--lora", default=None, help="LoRA folder or .safetensors file, loaded into the base.")
     parser.add_argument("--height", type=positive_int, default=None, help="Image height (default: the pipeline's).")
     parser.add_argument("--width", type=positive_int, default=None, help="Image width (default: the pipeline's).")
-    parser.add_argument("--device", default=None, help="Default: cuda when available, else cpu.")
-    parser.add_argument("--dtype", default="fp32", choices=list(DTYPES))
+    add_device_args(parser, dtype="fp32")
     parser.add_argument("--json", action="store_true", help="Print everything as one JSON object, nothing else.")
     g = parser.add_argument_group("trace (one real call)")
     g.add_argument("--trace", action="store_true", help="Run one call and print its stages with shapes and times.")
@@ -513,7 +517,6 @@ def main(args):
     from transformers.utils import logging as transformers_logging
 
     transformers_logging.set_verbosity_error()  # "requires torchvision, falling back to PIL": not our concern
-    import torch
     from diffusers.utils import logging as diffusers_logging
     from PIL.PngImagePlugin import PngInfo
 
@@ -524,8 +527,8 @@ def main(args):
     diffusers_logging.set_verbosity(diffusers_logging.CRITICAL)
     diffusers_logging.disable_progress_bar()
     transformers_logging.disable_progress_bar()
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    pipe, labels, notes = load_pipeline(args, getattr(torch, DTYPES[args.dtype]))
+    device, dtype = device_and_dtype(args.device, args.dtype)
+    pipe, labels, notes = load_pipeline(args, dtype)
     pipe.to(device)
     pipe.set_progress_bar_config(disable=True)
     report = {"model": args.model, "pipeline": type(pipe).__name__, "notes": notes, **describe(pipe, labels, args)}

@@ -13,7 +13,16 @@ A train_lora.py output or checkpoint (its base model is read from its metadata),
 import json
 import os
 
-from common.args import check_writable, is_hub_id, make_parser, non_negative_int, positive_float, positive_int
+from common.args import (
+    add_device_args,
+    check_writable,
+    device_and_dtype,
+    is_hub_id,
+    make_parser,
+    non_negative_int,
+    positive_float,
+    positive_int,
+)
 from common.cli import UserError, first_line, one_line, run
 from common.diffusion import DEFAULT_SCHEDULER, SCHEDULER_CLASSES, SD_SCHEDULER
 
@@ -31,9 +40,7 @@ def parse_args(argv=None):
                              "type the model was trained with.")
     parser.add_argument("--num_inference_steps", type=positive_int, default=None)
     parser.add_argument("--guidance_scale", type=positive_float, default=None)
-    parser.add_argument("--device", default=None, help="Default: cuda when available, else cpu.")
-    parser.add_argument("--dtype", default=None, choices=["fp32", "fp16", "bf16"],
-                        help="Default: fp16 on CUDA, fp32 on CPU.")
+    add_device_args(parser)
     # DDPM outputs (train_ddpm.py)
     parser.add_argument("--class_label", action="append", default=None,
                         help="Class name or id (repeatable), or 'all' for a row per class.")
@@ -48,14 +55,6 @@ def parse_args(argv=None):
     parser.add_argument("--height", type=positive_int, default=None)
     parser.add_argument("--width", type=positive_int, default=None)
     return parser.parse_args(argv)
-
-
-def choose_device_and_dtype(args):
-    import torch
-
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    name = args.dtype or ("fp16" if device.type == "cuda" else "fp32")
-    return device, {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[name]
 
 
 def save_images(images, params, output_dir, nrow):
@@ -147,7 +146,7 @@ def sample_ddpm(args):
         to_pil,
     )
 
-    device, dtype = choose_device_and_dtype(args)
+    device, dtype = device_and_dtype(args.device, args.dtype)
     verbosity = diffusers_logging.get_verbosity()
     diffusers_logging.set_verbosity_error()  # unet_ema/config.json also holds the EMA's decay settings: not a problem
     try:
@@ -220,7 +219,7 @@ def sample_sd(args):
 
     from common.diffusion import sampling_scheduler
 
-    device, dtype = choose_device_and_dtype(args)
+    device, dtype = device_and_dtype(args.device, args.dtype)
     base_version = {"revision": info.get("revision"), "variant": info.get("variant")} if info else {}
     try:  # the VAE in fp32 whatever --dtype says: an fp16 one decodes into black images
         vae = AutoencoderKL.from_pretrained(base, subfolder="vae", dtype=torch.float32, **base_version)

@@ -43,7 +43,7 @@ from common.args import (
 from common.checkpoints import read_checkpoint_info, resolve_resume
 from common.cli import UserError, first_line, run
 from common.diffusion import SCHEDULER_CLASSES, SD_SCHEDULER
-from common.stable_diffusion import check_local_resolution, check_sd_pipeline
+from common.stable_diffusion import check_local_resolution, check_sd_pipeline, lora_dtypes
 
 TINY_SD = "models/tiny-sd"
 UNET_TARGETS = "to_k,to_q,to_v,to_out.0"
@@ -422,17 +422,6 @@ def main(args):
     finally:
         progress.close()
         accelerator.end_training()
-
-
-def lora_dtypes(mixed_precision):
-    """accelerator.mixed_precision -> (dtype of the frozen weights, dtype of the trainable LoRA weights).
-
-    The LoRA weights stay fp32 under any mixed precision: with fp16 ones the grad scaler fails ("Attempting to
-    unscale FP16 gradients"), and bf16 ones lose the small updates. Pass the accelerator's value, never the flag's.
-    """
-    import torch
-
-    return {"fp16": torch.float16, "bf16": torch.bfloat16}.get(mixed_precision, torch.float32), torch.float32
 
 
 def caption_lists(values, column):

@@ -51,8 +51,35 @@ def probability(text):
 probability.__name__ = "probability in [0, 1]"
 
 
+# --dtype's names (accelerate's mixed-precision names) -> torch's.
+DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
+
+
+def torch_dtype(name):
+    """A --dtype or accelerate mixed-precision name -> the torch dtype; anything else ("no", "fp8") is fp32."""
+    import torch
+
+    return getattr(torch, DTYPES.get(name, "float32"))
+
+
+def device_and_dtype(device=None, dtype=None):
+    """--device and --dtype -> (torch.device, torch.dtype); by default cuda when available, else cpu, and fp16 on
+    CUDA, fp32 elsewhere."""
+    import torch
+
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    return device, torch_dtype(dtype or ("fp16" if device.type == "cuda" else "fp32"))
+
+
 def make_parser(description):
     return RecipeArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+
+
+def add_device_args(parser, dtype=None):
+    """--device and --dtype of the scripts that load a model to run it; dtype: --dtype's default (None: by device)."""
+    parser.add_argument("--device", default=None, help="Default: cuda when available, else cpu.")
+    parser.add_argument("--dtype", default=dtype, choices=list(DTYPES),
+                        help="The weights' dtype." if dtype else "Default: fp16 on CUDA, fp32 on CPU.")
 
 
 def add_data_args(parser, resolution, image_column="image"):

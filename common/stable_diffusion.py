@@ -5,7 +5,7 @@ the kohya key format that A1111, ComfyUI and diffusers' own loader read."""
 import json
 import os
 
-from .args import is_hub_id
+from .args import is_hub_id, torch_dtype
 from .cli import UserError, first_line
 
 LORA_INFO = "lora_info.json"
@@ -136,6 +136,15 @@ def save_lora_state(model, path):
     os.makedirs(path, exist_ok=True)
     state = {k: v.detach().contiguous() for k, v in get_peft_model_state_dict(model).items()}
     save_file(state, os.path.join(path, ADAPTER_FILE))
+
+
+def lora_dtypes(mixed_precision):
+    """accelerator.mixed_precision -> (dtype of the frozen weights, dtype of the trainable LoRA weights).
+
+    The LoRA weights stay fp32 under any mixed precision: with fp16 ones the grad scaler fails ("Attempting to
+    unscale FP16 gradients"), and bf16 ones lose the small updates. Pass the accelerator's value, never the flag's.
+    """
+    return torch_dtype(mixed_precision), torch_dtype("fp32")
 
 
 def load_lora_state(model, path, dtype):

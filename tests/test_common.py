@@ -339,3 +339,15 @@ def test_is_hub_id_follows_the_hubs_naming_rule(tmp_path):
     for name in (str(tmp_path / "here"), str(tmp_path / "missing"), "./models/tiny-sd", "~/model", "a/b/c",
                  "owner/-name", "owner/name.", "a--b/c", "a../b", "lora.safetensors", "owner/unet.json", ""):
         assert not is_hub_id(name), name
+
+
+def test_dtype_and_device_from_their_flags():
+    from common.args import device_and_dtype, torch_dtype
+    from common.stable_diffusion import lora_dtypes
+
+    assert [torch_dtype(n) for n in ("fp32", "fp16", "bf16", "no", None)] == [
+        torch.float32, torch.float16, torch.bfloat16, torch.float32, torch.float32]
+    assert device_and_dtype("cpu") == (torch.device("cpu"), torch.float32)
+    assert device_and_dtype("cpu", "bf16") == (torch.device("cpu"), torch.bfloat16)
+    assert device_and_dtype("cuda")[1] == torch.float16  # a device is only named here, nothing is allocated on it
+    assert lora_dtypes("fp16") == (torch.float16, torch.float32) and lora_dtypes("no") == (torch.float32,) * 2
