@@ -57,10 +57,11 @@ def parse_args(argv=None):
     return parser.parse_args(argv)
 
 
-def save_images(images, params, output_dir, nrow):
+def save_images(images, params, output_dir, ncol):
     """images: list of PIL images; params: one dict per image, written into its PNG text metadata."""
-    from PIL import Image
     from PIL.PngImagePlugin import PngInfo
+
+    from common.diffusion import image_grid
 
     os.makedirs(output_dir, exist_ok=True)
     paths = []
@@ -72,13 +73,7 @@ def save_images(images, params, output_dir, nrow):
         path = os.path.join(output_dir, f"{i:04d}.png")
         image.save(path, pnginfo=info)
         paths.append(path)
-    w, h = images[0].size
-    ncol = min(nrow, len(images))
-    rows = (len(images) + ncol - 1) // ncol
-    grid = Image.new("RGB", (ncol * w, rows * h), "white")
-    for i, image in enumerate(images):
-        grid.paste(image, ((i % ncol) * w, (i // ncol) * h))
-    grid.save(os.path.join(output_dir, "grid.png"))
+    image_grid(images, ncol).save(os.path.join(output_dir, "grid.png"))
     return paths
 
 

@@ -455,9 +455,8 @@ def validate(args, accelerator, vae, tokenizer, scheduler, unet, text_encoder, s
     samples/step-N/ and logged to the trackers (a row per prompt). The VAE decodes in fp32, outside autocast."""
     import torch
     from diffusers import StableDiffusionPipeline
-    from PIL import Image
 
-    from common.diffusion import sampling_scheduler
+    from common.diffusion import image_grid, sampling_scheduler
     from common.reporting import log_image
     from common.stable_diffusion import decode_fp32
 
@@ -478,12 +477,10 @@ def validate(args, accelerator, vae, tokenizer, scheduler, unet, text_encoder, s
                                guidance_scale=args.validation_guidance_scale, generator=generators,
                                output_type="latent").images
             images = decode_fp32(pipe, latents)
-            row = Image.new("RGB", (sum(im.width for im in images), images[0].height))
             for j, image in enumerate(images):
                 paths.append(os.path.join(folder, f"{p}-{j}.png"))
                 image.save(paths[-1])
-                row.paste(image, (j * image.width, 0))
-            log_image(accelerator, f"validation/{p}", row, step)
+            log_image(accelerator, f"validation/{p}", image_grid(images, ncol=len(images)), step)
         unet.train()
         text_encoder.train(args.train_text_encoder)
     accelerator.wait_for_everyone()
