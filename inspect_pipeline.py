@@ -28,14 +28,14 @@ from common.args import (
     add_device_args,
     check_writable,
     device_and_dtype,
-    is_hub_id,
     make_parser,
     non_negative_int,
     positive_int,
 )
 from common.cli import UserError, first_line, run
 from common.diffusion import DEFAULT_GUIDANCE_SCALE
-from common.stable_diffusion import LORA_WEIGHTS, TINY_HINT, check_safetensors, read_lora_info
+from common.pipelines import class_label_ids, model_kind, read_labels
+from common.stable_diffusion import LORA_WEIGHTS, check_safetensors, read_lora_info
 
 # common.call_recorder, the pipelines and torch are imported in main(): --help and flag errors answer at once.
 
@@ -65,20 +65,6 @@ def parse_args(argv=None):
     args = parser.parse_args(argv)
     check_args(args)
     return args
-
-
-def model_kind(path):
-    """'pipeline' (model_index.json), 'lora' (train_lora.py output), 'ddpm_checkpoint' (unet/ + scheduler/), 'hub'."""
-    if os.path.isdir(path):
-        for kind, names in (("pipeline", ["model_index.json"]), ("lora", ["lora_info.json", LORA_WEIGHTS]),
-                            ("ddpm_checkpoint", ["unet/config.json", "unet_ema/config.json"])):
-            if any(os.path.exists(os.path.join(path, name)) for name in names):
-                return kind
-        raise UserError(f"'{path}' is not a diffusion pipeline: it has no model_index.json, unet/ or LoRA weights "
-                        f"({TINY_HINT})")
-    if not is_hub_id(path):
-        raise UserError(f"'{path}' is neither a pipeline folder nor a hub id (owner/name)")
-    return "hub"
 
 
 def check_args(args):
@@ -115,7 +101,7 @@ def load_pipeline(args, torch_dtype):
 
     notes = []
     try:
-        if args.kind != "ddpm_checkpoint":
+        if args.kind != "checkpoint":
             pipe = diffusers.DiffusionPipeline.from_pretrained(args.model, dtype=torch_dtype)
         else:  # train_ddpm.py checkpoint-N: unet/ (+ unet_ema/), scheduler/, no model_index.json
             weights = "unet_ema" if os.path.isdir(os.path.join(args.model, "unet_ema")) else "unet"  # as sample.py
@@ -128,10 +114,7 @@ def load_pipeline(args, torch_dtype):
             pipe = diffusers.DDPMPipeline(unet=unet, scheduler=scheduler or diffusers.DDPMScheduler())
     except (OSError, ValueError, TypeError, KeyError, AttributeError) as err:
         raise UserError(f"cannot load a pipeline from '{args.model}': {first_line(err)}") from None
-    labels = None
-    if os.path.isfile(os.path.join(args.model, "labels.json")):  # train_ddpm.py's class names, in id order
-        with open(os.path.join(args.model, "labels.json")) as f:
-            labels = [str(name) for name in json.load(f)]
+    labels = read_labels(args.model) if os.path.isdir(args.model) else None
     return pipe, labels, notes
 
 
@@ -397,11 +380,7 @@ def trace_ddpm(pipe, args, rec, generator, steps_kept, labels):
                       num_inference_steps=args.num_inference_steps).images
         return f"DDPMPipeline.__call__, {hooks}", images
     names = labels or [str(i) for i in range(num_classes)]
-    label = names[0] if args.class_label is None else args.class_label
-    if label not in names and not (label.isdigit() and int(label) < num_classes):
-        raise UserError(f"--class_label '{label}' is not a class of this model: {', '.join(names)} "
-                        f"(or ids 0-{num_classes - 1})")
-    class_id = names.index(label) if label in names else int(label)
+    class_id = class_label_ids([names[0] if args.class_label is None else args.class_label], names)[0]
     guidance = DEFAULT_GUIDANCE_SCALE if args.guidance_scale is None else args.guidance_scale
     # DDPMPipeline.__call__ passes no class labels: run the loop that sample.py and train_ddpm.py sample with.
     result = sample_images(pipe.unet, pipe.scheduler, args.num_images, generator=generator,

@@ -25,6 +25,7 @@ from common.args import (
 )
 from common.cli import UserError, first_line, one_line, run
 from common.diffusion import DEFAULT_SCHEDULER, SCHEDULER_CLASSES, SD_SCHEDULER
+from common.pipelines import class_label_ids, model_kind, read_labels
 
 
 def parse_args(argv=None):
@@ -77,18 +78,6 @@ def save_images(images, params, output_dir, ncol):
     return paths
 
 
-def model_kind(path):
-    """'ddpm' for train_ddpm.py outputs/checkpoints, 'sd' for Stable Diffusion pipelines and train_lora.py outputs."""
-    if os.path.isdir(path):
-        names = set(os.listdir(path))
-        if "unet" in names and "vae" not in names and ("scheduler" in names or "unet_ema" in names):
-            return "ddpm"
-        return "sd"
-    if not is_hub_id(path):
-        raise UserError(f"--model '{path}' is neither a folder nor a hub id")
-    return "sd"
-
-
 def sample_ddpm(args):
     """A train_ddpm.py output or checkpoint-N: unet_ema/ (unless --no_ema) or unet/, scheduler/, labels.json."""
     if args.prompt or args.lora:
@@ -111,20 +100,8 @@ def sample_ddpm(args):
     num_classes = (num_class_embeds or 1) - 1
     ids, names = [], []
     if num_classes > 0:
-        names = [str(i) for i in range(num_classes)]
-        if os.path.isfile(os.path.join(args.model, "labels.json")):
-            with open(os.path.join(args.model, "labels.json")) as f:
-                names = [str(name) for name in json.load(f)]
-        for label in args.class_label or ["all"]:
-            if label == "all":
-                ids += range(num_classes)
-            elif label in names:
-                ids.append(names.index(label))
-            elif label.isdigit() and int(label) < num_classes:
-                ids.append(int(label))
-            else:
-                raise UserError(f"--class_label '{label}' is not a class of this model; its classes are: "
-                                f"{', '.join(names)} (or ids 0-{num_classes - 1}, or 'all')")
+        names = read_labels(args.model) or [str(i) for i in range(num_classes)]
+        ids = class_label_ids(args.class_label or ["all"], names, allow_all=True)
     elif args.class_label:
         raise UserError(f"--class_label: '{args.model}' is unconditional (trained without --class_column)")
     check_writable(output_dir(args), "--output_dir")
@@ -294,7 +271,11 @@ def parse_lora(spec):
 
 
 def main(args):
-    paths = sample_ddpm(args) if model_kind(args.model) == "ddpm" else sample_sd(args)
+    kind = model_kind(args.model, "--model")
+    if kind == "sdxl":
+        raise UserError(f"--model '{args.model}' is a Stable Diffusion XL pipeline; sample.py draws from Stable "
+                        "Diffusion 1.x/2.x pipelines, train_lora.py outputs and train_ddpm.py outputs")
+    paths = sample_ddpm(args) if kind in ("ddpm", "checkpoint") else sample_sd(args)
     print(f"wrote {len(paths)} images and grid.png to {os.path.dirname(paths[0])}")
 
 
