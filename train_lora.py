@@ -24,7 +24,9 @@ One GPU, Stable Diffusion 1.5 from the hub (at 512 px, its native size):
 Several GPUs (or `make train-lora CONFIG=accelerate_configs/multi_gpu.yaml ARGS="..."`):
     accelerate launch --config_file accelerate_configs/multi_gpu.yaml train_lora.py <the same flags>
 Then:  python sample.py --model outputs/lora-naruto --prompt "a girl with pink hair"
-"""
+
+Copy with: common/__init__.py, common/args.py, common/checkpoints.py, common/cli.py, common/diffusion.py, common/image_data.py, common/preemption.py, common/reporting.py, common/stable_diffusion.py, common/training.py
+"""  # noqa: E501 (the copy list stays one line, for grep)
 import math
 import os
 import time
