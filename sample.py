@@ -9,13 +9,25 @@ A train_ddpm.py output or checkpoint (EMA weights when present):
 A train_lora.py output or checkpoint (its base model is read from its metadata), or a base with LoRAs:
     python sample.py --model outputs/lora --prompt "a handwritten digit seven"
     python sample.py --model stable-diffusion-v1-5/stable-diffusion-v1-5 --lora outputs/lora:0.8 --prompt "..."
-"""
+
+Copy with: common/__init__.py, common/args.py, common/checkpoints.py, common/cli.py, common/diffusion.py, common/pipelines.py, common/reporting.py, common/stable_diffusion.py
+"""  # noqa: E501 (the copy list stays one line, for grep)
 import json
 import os
 
-from common.args import check_writable, make_parser, non_negative_int, positive_float, positive_int
-from common.cli import UserError, run
+from common.args import (
+    add_device_args,
+    check_writable,
+    device_and_dtype,
+    is_hub_id,
+    make_parser,
+    non_negative_int,
+    positive_float,
+    positive_int,
+)
+from common.cli import UserError, first_line, one_line, run
 from common.diffusion import DEFAULT_SCHEDULER, SCHEDULER_CLASSES, SD_SCHEDULER
+from common.pipelines import class_label_ids, model_kind, read_labels
 
 
 def parse_args(argv=None):
@@ -31,9 +43,7 @@ def parse_args(argv=None):
                              "type the model was trained with.")
     parser.add_argument("--num_inference_steps", type=positive_int, default=None)
     parser.add_argument("--guidance_scale", type=positive_float, default=None)
-    parser.add_argument("--device", default=None, help="Default: cuda when available, else cpu.")
-    parser.add_argument("--dtype", default=None, choices=["fp32", "fp16", "bf16"],
-                        help="Default: fp16 on CUDA, fp32 on CPU.")
+    add_device_args(parser)
     # DDPM outputs (train_ddpm.py)
     parser.add_argument("--class_label", action="append", default=None,
                         help="Class name or id (repeatable), or 'all' for a row per class.")
@@ -50,18 +60,11 @@ def parse_args(argv=None):
     return parser.parse_args(argv)
 
 
-def choose_device_and_dtype(args):
-    import torch
-
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    name = args.dtype or ("fp16" if device.type == "cuda" else "fp32")
-    return device, {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[name]
-
-
-def save_images(images, params, output_dir, nrow):
+def save_images(images, params, output_dir, ncol):
     """images: list of PIL images; params: one dict per image, written into its PNG text metadata."""
-    from PIL import Image
     from PIL.PngImagePlugin import PngInfo
+
+    from common.diffusion import image_grid
 
     os.makedirs(output_dir, exist_ok=True)
     paths = []
@@ -73,26 +76,8 @@ def save_images(images, params, output_dir, nrow):
         path = os.path.join(output_dir, f"{i:04d}.png")
         image.save(path, pnginfo=info)
         paths.append(path)
-    w, h = images[0].size
-    ncol = min(nrow, len(images))
-    rows = (len(images) + ncol - 1) // ncol
-    grid = Image.new("RGB", (ncol * w, rows * h), "white")
-    for i, image in enumerate(images):
-        grid.paste(image, ((i % ncol) * w, (i // ncol) * h))
-    grid.save(os.path.join(output_dir, "grid.png"))
+    image_grid(images, ncol).save(os.path.join(output_dir, "grid.png"))
     return paths
-
-
-def model_kind(path):
-    """'ddpm' for train_ddpm.py outputs/checkpoints, 'sd' for Stable Diffusion pipelines and train_lora.py outputs."""
-    if os.path.isdir(path):
-        names = set(os.listdir(path))
-        if "unet" in names and "vae" not in names and ("scheduler" in names or "unet_ema" in names):
-            return "ddpm"
-        return "sd"
-    if os.path.exists(path) or path.count("/") != 1:
-        raise UserError(f"--model '{path}' is neither a folder nor a hub id")
-    return "sd"
 
 
 def sample_ddpm(args):
@@ -117,20 +102,8 @@ def sample_ddpm(args):
     num_classes = (num_class_embeds or 1) - 1
     ids, names = [], []
     if num_classes > 0:
-        names = [str(i) for i in range(num_classes)]
-        if os.path.isfile(os.path.join(args.model, "labels.json")):
-            with open(os.path.join(args.model, "labels.json")) as f:
-                names = [str(name) for name in json.load(f)]
-        for label in args.class_label or ["all"]:
-            if label == "all":
-                ids += range(num_classes)
-            elif label in names:
-                ids.append(names.index(label))
-            elif label.isdigit() and int(label) < num_classes:
-                ids.append(int(label))
-            else:
-                raise UserError(f"--class_label '{label}' is not a class of this model; its classes are: "
-                                f"{', '.join(names)} (or ids 0-{num_classes - 1}, or 'all')")
+        names = read_labels(args.model) or [str(i) for i in range(num_classes)]
+        ids = class_label_ids(args.class_label or ["all"], names, allow_all=True)
     elif args.class_label:
         raise UserError(f"--class_label: '{args.model}' is unconditional (trained without --class_column)")
     check_writable(output_dir(args), "--output_dir")
@@ -147,7 +120,7 @@ def sample_ddpm(args):
         to_pil,
     )
 
-    device, dtype = choose_device_and_dtype(args)
+    device, dtype = device_and_dtype(args.device, args.dtype)
     verbosity = diffusers_logging.get_verbosity()
     diffusers_logging.set_verbosity_error()  # unet_ema/config.json also holds the EMA's decay settings: not a problem
     try:
@@ -155,7 +128,7 @@ def sample_ddpm(args):
         training_scheduler = DDPMScheduler.from_pretrained(os.path.join(args.model, "scheduler"))
     except (OSError, ValueError) as err:
         raise UserError(f"--model '{args.model}': cannot load its UNet or scheduler: "
-                        f"{str(err).splitlines()[0]}") from None
+                        f"{first_line(err)}") from None
     finally:
         diffusers_logging.set_verbosity(verbosity)
 
@@ -205,7 +178,7 @@ def sample_sd(args):
     for path, _ in loras:
         if os.path.isdir(path) and not os.path.isfile(os.path.join(path, LORA_WEIGHTS)):
             raise UserError(f"--lora '{path}': no {LORA_WEIGHTS} in that folder")
-        if not os.path.exists(path) and (path.count("/") != 1 or path.endswith(".safetensors")):
+        if not os.path.exists(path) and not is_hub_id(path):
             raise UserError(f"--lora '{path}': no such file or folder")
         if os.path.exists(path):  # a damaged or non-safetensors file: at once, not after the base has loaded
             check_safetensors(os.path.join(path, LORA_WEIGHTS) if os.path.isdir(path) else path, "--lora")
@@ -220,7 +193,7 @@ def sample_sd(args):
 
     from common.diffusion import sampling_scheduler
 
-    device, dtype = choose_device_and_dtype(args)
+    device, dtype = device_and_dtype(args.device, args.dtype)
     base_version = {"revision": info.get("revision"), "variant": info.get("variant")} if info else {}
     try:  # the VAE in fp32 whatever --dtype says: an fp16 one decodes into black images
         vae = AutoencoderKL.from_pretrained(base, subfolder="vae", dtype=torch.float32, **base_version)
@@ -242,7 +215,7 @@ def sample_sd(args):
                 pipe.load_lora_weights(folder or ".", weight_name=weight_name, adapter_name=name)
     except (RuntimeError, ValueError, KeyError, OSError) as err:
         raise UserError(f"--lora '{path}' does not fit the base model '{base}' (a LoRA for another model?): "
-                        f"{' '.join(str(err).split())[:300]}") from None
+                        f"{one_line(err)}") from None
     finally:
         diffusers_logging.set_verbosity(verbosity[0])
         transformers_logging.set_verbosity(verbosity[1])
@@ -300,7 +273,11 @@ def parse_lora(spec):
 
 
 def main(args):
-    paths = sample_ddpm(args) if model_kind(args.model) == "ddpm" else sample_sd(args)
+    kind = model_kind(args.model, "--model")
+    if kind == "sdxl":
+        raise UserError(f"--model '{args.model}' is a Stable Diffusion XL pipeline; sample.py draws from Stable "
+                        "Diffusion 1.x/2.x pipelines, train_lora.py outputs and train_ddpm.py outputs")
+    paths = sample_ddpm(args) if kind in ("ddpm", "checkpoint") else sample_sd(args)
     print(f"wrote {len(paths)} images and grid.png to {os.path.dirname(paths[0])}")
 
 

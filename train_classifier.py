@@ -19,7 +19,9 @@ A hub model and dataset:
 Image + text (the modules image_model, text_model and head take their own learning rates):
     ... --text_column text --text_model_name_or_path google-bert/bert-base-uncased \
         --lr_groups image_model=2e-5,text_model=4e-5
-"""
+
+Copy with: common/__init__.py, common/args.py, common/checkpoints.py, common/classifier_metrics.py, common/cli.py, common/image_data.py, common/image_text_model.py, common/preemption.py, common/reporting.py, common/training.py
+"""  # noqa: E501 (the copy list stays one line, for grep)
 import argparse
 import math
 import os
@@ -35,7 +37,7 @@ from common.args import (
     make_parser,
     positive_int,
 )
-from common.cli import UserError, run
+from common.cli import UserError, first_line, run
 from common.training import parse_lr_groups
 
 
@@ -171,7 +173,7 @@ def main(args):
                 label2id={v: k for k, v in id2label.items()}, ignore_mismatched_sizes=True)
         except (OSError, ValueError) as err:
             raise UserError(f"--model_name_or_path: cannot load an image classifier from "
-                            f"'{args.model_name_or_path}': {str(err).splitlines()[0]}") from None
+                            f"'{args.model_name_or_path}': {first_line(err)}") from None
     else:
         model = AutoModelForImageClassification.from_config(small_resnet_config(ResNetConfig, len(labels), id2label))
     if args.channels_last:  # 4-D weights only: a ViT or a text model is left as it is

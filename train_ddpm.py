@@ -20,7 +20,9 @@ A hub dataset (CIFAR-10, class-conditional, 32 px, a bigger UNet):
         --dataset_name uoft-cs/cifar10 --image_column img --class_column label --resolution 32 --random_flip \
         --block_out_channels 128,256,256,256 --layers_per_block 2 --train_batch_size 128 --num_train_epochs 300 \
         --learning_rate 2e-4 --lr_warmup_steps 1000 --use_ema --ema_max_decay 0.9999 --mixed_precision bf16
-"""
+
+Copy with: common/__init__.py, common/args.py, common/checkpoints.py, common/classifier_metrics.py, common/cli.py, common/diffusion.py, common/image_data.py, common/preemption.py, common/reporting.py, common/training.py, common/unet_config.py
+"""  # noqa: E501 (the copy list stays one line, for grep)
 import json
 import math
 import os
@@ -38,7 +40,7 @@ from common.args import (
     probability,
 )
 from common.checkpoints import resolve_resume
-from common.cli import UserError, run
+from common.cli import UserError, first_line, run
 from common.diffusion import DEFAULT_GUIDANCE_SCALE, DEFAULT_INFERENCE_STEPS, DEFAULT_SCHEDULER, SCHEDULER_CLASSES
 from common.training import add_ema_args, check_resumed_ema
 from common.unet_config import channel_list, check_unet_shape, pretrained_unet_config, unet_config_source
@@ -355,7 +357,7 @@ def build_unet(args, unet_class, num_class_embeds):
             unet = unet_class.from_pretrained(path, subfolder=subfolder, cache_dir=args.cache_dir)
         except (OSError, ValueError) as err:
             raise UserError(f"--pretrained_model_name_or_path: cannot load a UNet2DModel from '{path}': "
-                            f"{str(err).splitlines()[0]}") from None
+                            f"{first_line(err)}") from None
         source = f"the pretrained UNet '{path}'"
     else:
         config, source = unet_config_source(args)
@@ -364,13 +366,13 @@ def build_unet(args, unet_class, num_class_embeds):
                 config = unet_class.load_config(args.model_config_name_or_path, cache_dir=args.cache_dir)
             except (OSError, ValueError) as err:
                 raise UserError(f"--model_config_name_or_path: cannot read a UNet2DModel config from "
-                                f"'{args.model_config_name_or_path}': {str(err).splitlines()[0]}") from None
+                                f"'{args.model_config_name_or_path}': {first_line(err)}") from None
         if config.get("num_class_embeds") is None:  # a config without classes gets this run's
             config["num_class_embeds"] = num_class_embeds
         try:
             unet = unet_class.from_config({**config, "sample_size": args.resolution})
         except (TypeError, ValueError) as err:
-            raise UserError(f"{source}: {str(err).splitlines()[0]}") from None
+            raise UserError(f"{source}: {first_line(err)}") from None
     config = unet.config
     check_unet_shape(config, args.resolution, source)
     if config.num_class_embeds != num_class_embeds:

@@ -26,7 +26,9 @@ One GPU, Stable Diffusion 1.5 from the hub (at 512 px, its native size):
 Several GPUs (or `make train-lora CONFIG=accelerate_configs/multi_gpu.yaml ARGS="..."`):
     accelerate launch --config_file accelerate_configs/multi_gpu.yaml train_lora.py <the same flags>
 Then:  python sample.py --model outputs/lora-naruto --prompt "a girl with pink hair"
-"""
+
+Copy with: common/__init__.py, common/args.py, common/checkpoints.py, common/cli.py, common/diffusion.py, common/image_data.py, common/preemption.py, common/reporting.py, common/stable_diffusion.py, common/training.py
+"""  # noqa: E501 (the copy list stays one line, for grep)
 import math
 import os
 import time
@@ -43,9 +45,9 @@ from common.args import (
     probability,
 )
 from common.checkpoints import read_checkpoint_info, resolve_resume
-from common.cli import UserError, run
+from common.cli import UserError, first_line, run
 from common.diffusion import SCHEDULER_CLASSES, SD_SCHEDULER
-from common.stable_diffusion import SHIPPED_BASE, check_local_resolution, check_sd_pipeline
+from common.stable_diffusion import SHIPPED_BASE, check_local_resolution, check_sd_pipeline, lora_dtypes
 
 UNET_TARGETS = "to_k,to_q,to_v,to_out.0"
 TEXT_ENCODER_TARGETS = ["q_proj", "k_proj", "v_proj", "out_proj"]
@@ -239,7 +241,7 @@ def main(args):
                                     init_lora_weights="gaussian", target_modules=args.target_modules,
                                     use_dora=args.use_dora))
     except ValueError as err:  # e.g. a target that is not a Linear/Conv layer
-        raise UserError(f"--target_modules: {str(err).splitlines()[0]}") from None
+        raise UserError(f"--target_modules: {first_line(err)}") from None
     trained = {"unet": unet}
     if args.train_text_encoder:
         text_encoder.add_adapter(LoraConfig(r=args.rank, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
@@ -436,15 +438,6 @@ def main(args):
         accelerator.end_training()
 
 
-def lora_dtypes(mixed_precision):
-    """accelerator.mixed_precision -> (dtype of the frozen weights, dtype of the trainable LoRA weights).
-
-    The LoRA weights stay fp32 under any mixed precision: with fp16 ones the grad scaler fails ("Attempting to
-    unscale FP16 gradients"), and bf16 ones lose the small updates. Pass the accelerator's value, never the flag's.
-    """
-    import torch
-
-    return {"fp16": torch.float16, "bf16": torch.bfloat16}.get(mixed_precision, torch.float32), torch.float32
 
 
 def check_target_modules(model, targets, flag, what):

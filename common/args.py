@@ -1,6 +1,7 @@
 """Argument groups with the diffusers examples' flag names, and their validation (one-line errors)."""
 import argparse
 import os
+import re
 
 from .cli import RecipeArgumentParser, UserError
 
@@ -50,8 +51,35 @@ def probability(text):
 probability.__name__ = "probability in [0, 1]"
 
 
+# --dtype's names (accelerate's mixed-precision names) -> torch's.
+DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
+
+
+def torch_dtype(name):
+    """A --dtype or accelerate mixed-precision name -> the torch dtype; anything else ("no", "fp8") is fp32."""
+    import torch
+
+    return getattr(torch, DTYPES.get(name, "float32"))
+
+
+def device_and_dtype(device=None, dtype=None):
+    """--device and --dtype -> (torch.device, torch.dtype); by default cuda when available, else cpu, and fp16 on
+    CUDA, fp32 elsewhere."""
+    import torch
+
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    return device, torch_dtype(dtype or ("fp16" if device.type == "cuda" else "fp32"))
+
+
 def make_parser(description):
     return RecipeArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+
+
+def add_device_args(parser, dtype=None):
+    """--device and --dtype of the scripts that load a model to run it; dtype: --dtype's default (None: by device)."""
+    parser.add_argument("--device", default=None, help="Default: cuda when available, else cpu.")
+    parser.add_argument("--dtype", default=dtype, choices=list(DTYPES),
+                        help="The weights' dtype." if dtype else "Default: fp16 on CUDA, fp32 on CPU.")
 
 
 def add_data_args(parser, resolution, image_column="image"):
@@ -175,9 +203,18 @@ def check_writable(path, flag, value=None):
                         f"system); choose another {flag} or make that folder writable")
 
 
-def could_be_hub_id(path):
-    """A path that does not exist here and reads like a hub id (name or owner/name), to be checked when it loads."""
-    return not os.path.exists(path) and not path.startswith((".", "/", "~")) and path.count("/") <= 1
+# The hub's rule for repo ids (huggingface_hub's validate_repo_id): `name` or `owner/name` of letters, digits, "_",
+# "-" and ".", each part starting and ending with a letter or digit, no "--" or "..", at most 96 characters.
+_HUB_NAME = r"\w(?:[\w.-]{0,94}\w)?"
+HUB_ID = re.compile(rf"(?:{_HUB_NAME}/)?{_HUB_NAME}")
+# Names that read like a local file, not a repo: a missing file is reported as missing, not looked up on the hub.
+FILE_SUFFIXES = (".safetensors", ".ckpt", ".bin", ".pt", ".pth", ".json", ".yaml", ".yml")
+
+
+def is_hub_id(path):
+    """`path` does not exist here and reads like a hub id (name or owner/name): to be checked when it loads."""
+    return (not os.path.exists(path) and HUB_ID.fullmatch(path) is not None and "--" not in path
+            and ".." not in path and not path.lower().endswith(FILE_SUFFIXES))
 
 
 def check_model_folder(path, flag, required, what):
@@ -187,5 +224,5 @@ def check_model_folder(path, flag, required, what):
             raise UserError(f"{flag} '{path}' is not {what} (no {required} in it)")
     elif os.path.exists(path):
         raise UserError(f"{flag} '{path}' is a file; give {what} folder or a hub id")
-    elif not could_be_hub_id(path):
+    elif not is_hub_id(path):
         raise UserError(f"{flag} '{path}' does not exist (and is not a hub id owner/name)")

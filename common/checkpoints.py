@@ -11,7 +11,7 @@ import os
 import re
 import shutil
 
-from .cli import UserError, write_error_reason
+from .cli import UserError, first_line, one_line, write_error_reason
 
 _NAME = re.compile(r"^checkpoint-(\d+)$")
 INFO_FILE = "checkpoint_info.json"
@@ -77,7 +77,7 @@ def _save_error(accelerator, output_dir, tmp, reason, err):
     previous = list_checkpoints(output_dir)
     kept = (f"the previous checkpoint {previous[-1]} is intact: {fix}, then run the same command with "
             "--resume_from_checkpoint latest" if previous else f"no checkpoint was written: {fix} and rerun")
-    detail = " ".join(str(err).split())[:160]
+    detail = one_line(err, 160)
     return UserError(f"cannot save {os.path.basename(tmp[:-4])} in '{output_dir}': {reason} ({detail}); {kept}")
 
 
@@ -92,8 +92,7 @@ def load_checkpoint(accelerator, path):
     try:
         accelerator.load_state(path)
     except (pickle.UnpicklingError, RuntimeError, OSError, KeyError, ValueError) as err:
-        reason = (str(err).strip().splitlines() or [type(err).__name__])[0]
-        raise UserError(f"--resume_from_checkpoint: cannot load '{path}' ({reason[:200]}); "
+        raise UserError(f"--resume_from_checkpoint: cannot load '{path}' ({first_line(err, 200)}); "
                         "resume from another checkpoint-N or start without the flag") from None
 
 

@@ -10,7 +10,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from .cli import UserError
+from .cli import UserError, first_line
 
 
 class ClassifierScorer:
@@ -24,7 +24,7 @@ class ClassifierScorer:
             self.model = AutoModelForImageClassification.from_pretrained(path).to(device).eval()
         except (OSError, ValueError) as err:
             raise UserError(f"--eval_classifier: cannot load an image classifier from '{path}': "
-                            f"{str(err).splitlines()[0]}") from None
+                            f"{first_line(err)}") from None
         processor = {}
         if os.path.isfile(os.path.join(path, "preprocessor_config.json")):
             with open(os.path.join(path, "preprocessor_config.json")) as f:

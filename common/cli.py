@@ -57,6 +57,20 @@ def run(main, parse_args, argv=None):
                    "permissions, or choose another output folder")
 
 
+def first_line(err, limit=300):
+    """The first line of an exception's message (its type when the message is empty), cut at `limit` characters:
+    hub and loader errors run to paragraphs, and the first line says what went wrong."""
+    line = (str(err).strip().splitlines() or [""])[0].strip() or type(err).__name__
+    return line if len(line) <= limit else line[:limit - 3] + "..."
+
+
+def one_line(err, limit=300):
+    """An exception's whole message on one line (whitespace collapsed; its type when empty), cut at `limit`: for
+    short messages that wrap, where a later line says where (a YAML line, a file)."""
+    text = " ".join(str(err).split()) or type(err).__name__
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
 def _exit_with(message):
     if _is_rank_zero():  # one line, not one per process
         print(f"error: {message}", file=sys.stderr, flush=True)

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from PIL import Image, UnidentifiedImageError
 
-from .cli import UserError
+from .cli import UserError, first_line, one_line
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +38,7 @@ def load_image_dataset(args, carve_eval=True, validation_split=None):
         raise
     except Exception as err:  # datasets raises many types for a missing/invalid dataset
         source = args.dataset_name or args.train_data_dir
-        raise UserError(f"cannot load dataset '{source}': {str(err).splitlines()[0]}") from None
+        raise UserError(f"cannot load dataset '{source}': {first_line(err)}") from None
     if "train" not in loaded:
         raise UserError(f"dataset has no 'train' split (it has: {', '.join(loaded)})")
     train = loaded["train"]
@@ -131,7 +131,7 @@ def decode_image(value, resolution, index=None):
     except (UnidentifiedImageError, OSError, SyntaxError, ValueError, EOFError, Image.DecompressionBombError) as err:
         name = value.get("path") if isinstance(value, dict) else None
         where = f"'{name}'" if name else f"at row {index} of the dataset" if index is not None else "(in memory)"
-        reason = " ".join(str(err).split())[:200] or type(err).__name__
+        reason = one_line(err, 200)
         raise UserError(f"cannot read image {where}: {reason}; delete or replace that file (images are never "
                         "skipped)") from None
 

@@ -15,6 +15,8 @@ import signal
 import subprocess
 import sys
 
+from .cli import one_line
+
 
 def check_accelerate_config(path):
     """-> None when `path` is a readable YAML mapping, else the reason in one line (no torch import: fast)."""
@@ -26,7 +28,7 @@ def check_accelerate_config(path):
         with open(path) as f:
             config = yaml.safe_load(f)
     except (OSError, yaml.YAMLError) as err:
-        return f"accelerate config '{path}' cannot be read: {' '.join(str(err).split())[:300]}"
+        return f"accelerate config '{path}' cannot be read: {one_line(err)}"
     if not isinstance(config, dict) or "distributed_type" not in config:
         return f"accelerate config '{path}' is not an accelerate config (no distributed_type); see accelerate_configs/"
     return None

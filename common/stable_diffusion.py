@@ -5,7 +5,8 @@ the kohya key format that A1111, ComfyUI and diffusers' own loader read."""
 import json
 import os
 
-from .cli import UserError
+from .args import is_hub_id, torch_dtype
+from .cli import UserError, first_line
 
 LORA_INFO = "lora_info.json"
 LORA_WEIGHTS = "pytorch_lora_weights.safetensors"  # diffusers' name: pipe.load_lora_weights(folder) finds it
@@ -27,7 +28,7 @@ def check_sd_pipeline(path, flag):
         if missing:
             raise UserError(f"{flag} '{path}' is not a Stable Diffusion pipeline folder "
                             f"(no {', '.join(missing)}); {TINY_HINT}")
-    elif os.path.exists(path) or path.count("/") != 1 or path.startswith((".", "/")):
+    elif not is_hub_id(path):
         raise UserError(f"{flag} '{path}' is neither a pipeline folder nor a hub id; {TINY_HINT}")
 
 
@@ -122,9 +123,8 @@ def check_safetensors(path, flag):
 
 def load_error(flag, path, err):
     """UserError for a pipeline (part) that failed to load: the first line of the cause, and what to try."""
-    first = (str(err).strip().splitlines() or [type(err).__name__])[0]
     hint = TINY_HINT if not os.path.isdir(path) else "is it a complete Stable Diffusion pipeline?"
-    return UserError(f"{flag}: cannot load Stable Diffusion from '{path}': {first} ({hint})")
+    return UserError(f"{flag}: cannot load Stable Diffusion from '{path}': {first_line(err)} ({hint})")
 
 
 def write_lora_info(folder, info):
@@ -170,6 +170,15 @@ def save_lora_state(model, path):
     os.makedirs(path, exist_ok=True)
     state = {k: v.detach().contiguous() for k, v in get_peft_model_state_dict(model).items()}
     save_file(state, os.path.join(path, ADAPTER_FILE))
+
+
+def lora_dtypes(mixed_precision):
+    """accelerator.mixed_precision -> (dtype of the frozen weights, dtype of the trainable LoRA weights).
+
+    The LoRA weights stay fp32 under any mixed precision: with fp16 ones the grad scaler fails ("Attempting to
+    unscale FP16 gradients"), and bf16 ones lose the small updates. Pass the accelerator's value, never the flag's.
+    """
+    return torch_dtype(mixed_precision), torch_dtype("fp32")
 
 
 def load_lora_state(model, path, dtype):
@@ -245,9 +254,8 @@ def validate(args, accelerator, vae, tokenizer, scheduler, unet, text_encoder, s
     samples/step-N/ and logged to the trackers (a row per prompt). The VAE decodes in fp32, outside autocast."""
     import torch
     from diffusers import StableDiffusionPipeline
-    from PIL import Image
 
-    from .diffusion import sampling_scheduler
+    from .diffusion import image_grid, sampling_scheduler
     from .reporting import log_image
 
     paths = []
@@ -268,12 +276,10 @@ def validate(args, accelerator, vae, tokenizer, scheduler, unet, text_encoder, s
                                guidance_scale=args.validation_guidance_scale, generator=generators,
                                output_type="latent").images
             images = decode_fp32(pipe, latents)
-            row = Image.new("RGB", (sum(im.width for im in images), images[0].height))
             for j, image in enumerate(images):
                 paths.append(os.path.join(folder, f"{p}-{j}.png"))
                 image.save(paths[-1])
-                row.paste(image, (j * image.width, 0))
-            log_image(accelerator, f"validation/{p}", row, step)
+            log_image(accelerator, f"validation/{p}", image_grid(images, ncol=len(images)), step)
         unet.train(modes[0])
         text_encoder.train(modes[1])
     accelerator.wait_for_everyone()

@@ -6,7 +6,7 @@ import json
 import math
 import os
 
-from .args import could_be_hub_id
+from .args import is_hub_id
 from .cli import UserError
 
 
@@ -28,7 +28,7 @@ def unet_config_source(args):
     source = f"the config '{path}'"
     file = os.path.join(path, "config.json") if os.path.isdir(path) else path
     if not os.path.isfile(file):
-        if os.path.exists(path) or path.count("/") > 1:
+        if not is_hub_id(path):
             raise UserError(f"--model_config_name_or_path: no UNet2DModel config at '{path}'")
         return None, source
     try:
@@ -46,7 +46,7 @@ def pretrained_unet_config(path):
     pipeline / train_ddpm.py checkpoint with unet/), None for a hub id; a local folder of another kind is an error."""
     flag = "--pretrained_model_name_or_path"
     if not os.path.isdir(path):
-        if not could_be_hub_id(path):
+        if not is_hub_id(path):
             raise UserError(f"{flag} '{path}' is neither a folder nor a hub id (owner/name)")
         return None
     folder = os.path.join(path, "unet") if os.path.isdir(os.path.join(path, "unet")) else path

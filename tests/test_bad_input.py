@@ -130,7 +130,7 @@ LORA = [
 SAMPLE_BASE = ["--model", "{sd}", "--prompt", "a digit", "--num_images", "1", "--num_inference_steps", "1",
                "--output_dir", "{out}/samples"]
 SAMPLE = [
-    case("model-is-a-classifier", ["--model", "{classifier}"], "is not a Stable Diffusion pipeline folder"),
+    case("model-is-a-classifier", ["--model", "{classifier}"], "is not a diffusion pipeline", "model_index.json"),
     case("model-path-missing", ["--model", "{missing}"], "is neither a folder nor a hub id"),
     case("zero-images", ["--num_images", "0"], "--num_images"),
     case("unknown-scheduler", ["--scheduler", "lms"], "--scheduler", "invalid choice"),
@@ -146,7 +146,7 @@ SAMPLE = [
 INSPECT_BASE = ["--save_trajectory", "{out}/x0.png", "--num_inference_steps", "2", "--trajectory_steps", "2"]
 INSPECT = [  # the model is the positional argument: each case names its own
     case("model-is-a-classifier", ["{classifier}"], "is not a diffusion pipeline", "model_index.json"),
-    case("model-path-missing", ["{missing}"], "is neither a pipeline folder nor a hub id"),
+    case("model-path-missing", ["{missing}"], "is neither a folder nor a hub id"),
     case("zero-steps", ["{sd}", "--num_inference_steps", "0"], "--num_inference_steps"),
     case("unknown-dtype", ["{sd}", "--dtype", "int8"], "--dtype"),
     case("lora-missing", ["{sd}", "--lora", "{missing}"], "is neither a .safetensors file nor a folder"),

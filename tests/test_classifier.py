@@ -165,15 +165,6 @@ def test_two_processes_stop_on_sigterm_and_resume(digits, tmp_path):
     assert (out / "model.safetensors").exists()
 
 
-def test_script_copied_with_common_runs_in_an_empty_folder(digits, tmp_path):
-    shutil.copy(ROOT / "train_classifier.py", tmp_path)
-    shutil.copytree(ROOT / "common", tmp_path / "common")
-    env = offline_env(PYTHONPATH="")
-    launch(tmp_path / "train_classifier.py", "--train_data_dir", digits, "--output_dir", "out",
-           "--max_train_samples", "64", "--max_train_steps", "2", "--report_to", "none", cwd=tmp_path, env=env)
-    assert (tmp_path / "out/model.safetensors").exists()
-
-
 def test_notebook_launcher(digits, tmp_path):
     code = (
         "from accelerate import notebook_launcher\n"

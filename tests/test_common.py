@@ -12,7 +12,7 @@ from conftest import CONFIGS
 from PIL import Image
 
 from common.checkpoints import list_checkpoints, resolve_resume, save_checkpoint
-from common.cli import UserError
+from common.cli import UserError, first_line, one_line
 from common.image_data import (
     ImageDataset,
     collate_batch,
@@ -320,3 +320,34 @@ def test_preemption_guard_ignores_a_copy_of_the_signal_and_stops_at_a_real_secon
         assert stopped.value.code == 128 + signal.SIGINT
     finally:
         guard.restore()
+
+
+def test_first_line_and_one_line_of_an_error():
+    hub = OSError("We couldn't connect to 'https://huggingface.co'.\nCheck your connection or see the docs at ...")
+    assert first_line(hub) == "We couldn't connect to 'https://huggingface.co'."
+    assert first_line(ValueError("")) == "ValueError" and one_line(KeyError()) == "KeyError"
+    assert first_line(ValueError("x" * 400)) == "x" * 297 + "..." and len(first_line(ValueError("x" * 400), 200)) == 200
+    assert one_line(ValueError("while parsing a block\n  in line 3")) == "while parsing a block in line 3"
+
+
+def test_is_hub_id_follows_the_hubs_naming_rule(tmp_path):
+    from common.args import is_hub_id
+
+    for name in ("gpt2", "stable-diffusion-v1-5/stable-diffusion-v1-5", "google/ddpm-cifar10-32", "a.b_c/d.e"):
+        assert is_hub_id(name), name
+    (tmp_path / "here").mkdir()
+    for name in (str(tmp_path / "here"), str(tmp_path / "missing"), "./models/tiny-sd", "~/model", "a/b/c",
+                 "owner/-name", "owner/name.", "a--b/c", "a../b", "lora.safetensors", "owner/unet.json", ""):
+        assert not is_hub_id(name), name
+
+
+def test_dtype_and_device_from_their_flags():
+    from common.args import device_and_dtype, torch_dtype
+    from common.stable_diffusion import lora_dtypes
+
+    assert [torch_dtype(n) for n in ("fp32", "fp16", "bf16", "no", None)] == [
+        torch.float32, torch.float16, torch.bfloat16, torch.float32, torch.float32]
+    assert device_and_dtype("cpu") == (torch.device("cpu"), torch.float32)
+    assert device_and_dtype("cpu", "bf16") == (torch.device("cpu"), torch.bfloat16)
+    assert device_and_dtype("cuda")[1] == torch.float16  # a device is only named here, nothing is allocated on it
+    assert lora_dtypes("fp16") == (torch.float16, torch.float32) and lora_dtypes("no") == (torch.float32,) * 2

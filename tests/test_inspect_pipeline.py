@@ -9,6 +9,8 @@ from conftest import ROOT, assert_one_line_error, offline_env, run_script
 from PIL import Image
 from safetensors.torch import load_file
 
+from common.pipeline_report import print_trace
+
 STEPS = 3
 
 
@@ -130,7 +132,7 @@ def test_trace_follows_the_real_call(ip, models, guidance, batch, capsys):
     direct = pipe(args.prompt, num_inference_steps=STEPS, guidance_scale=guidance, num_images_per_prompt=batch,
                   generator=torch.Generator().manual_seed(args.seed)).images
     assert [i.tobytes() for i in images] == [i.tobytes() for i in direct]
-    ip.print_trace(report)
+    print_trace(report)
     assert f"step {STEPS - 1} t=" in capsys.readouterr().out
 
 

@@ -257,7 +257,7 @@ def test_fp16_in_the_accelerate_config_keeps_lora_weights_fp32(tiny_sd):
     from diffusers.training_utils import cast_training_params
     from peft import LoraConfig
 
-    from train_lora import lora_dtypes
+    from common.stable_diffusion import lora_dtypes
 
     assert lora_dtypes("fp16") == (torch.float16, torch.float32)  # the accelerator's value, e.g. from fp16.yaml
     assert lora_dtypes("bf16") == (torch.bfloat16, torch.float32)

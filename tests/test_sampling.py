@@ -10,6 +10,8 @@ import torch
 from conftest import launch, run_script
 from PIL import Image
 
+from common.diffusion import SCHEDULER_CLASSES
+
 SD15_SCHEDULER = {  # stable-diffusion-v1-5's scheduler_config.json: no prediction_type, no timestep_spacing
     "_class_name": "PNDMScheduler", "beta_start": 0.00085, "beta_end": 0.012, "beta_schedule": "scaled_linear",
     "num_train_timesteps": 1000, "set_alpha_to_one": False, "skip_prk_steps": True, "steps_offset": 1,
@@ -41,7 +43,7 @@ def test_euler_samplers_start_from_noise_of_the_first_steps_sigma(name, tmp_path
     assert 0.5 < inputs[0] < 2.0, inputs[:3]  # scale_model_input(x_T, t) ~ N(0, 1)
 
 
-@pytest.mark.parametrize("name", ["ddpm", "ddim", "dpm", "euler", "euler_a", "pndm", "unipc"])
+@pytest.mark.parametrize("name", sorted(SCHEDULER_CLASSES))
 def test_a_sampler_keeps_the_training_schedulers_settings(name, tmp_path):
     """Pins: `X.from_config(config)` drops what a config holds only by default (SD 1.5's scheduler has no
     prediction_type key), so a v-prediction model got an epsilon sampler; and an in-memory config and the same

@@ -1,0 +1,213 @@
+"""What a diffusion pipeline holds, for inspect_pipeline.py: its components (parameters, dtype, device, size), the
+scheduler, the denoiser's key config, the text encoders and tokenizers, the VAE and the latent shape at the call's
+image size; what a LoRA loaded through diffusers' own loader adapts; and the text report of all of it (and of a
+trace, common/pipeline_trace.py)."""
+import os
+import re
+
+from .cli import UserError, first_line
+from .stable_diffusion import LORA_WEIGHTS, read_lora_info
+
+
+# ---------------------------------------------------------------------------------------------- what it holds
+def module_row(name, component):
+    import torch
+
+    row = {"name": name, "class": type(component).__name__ if component is not None else None}
+    if isinstance(component, torch.nn.Module):
+        params = list(component.parameters())
+        row.update(parameters=sum(p.numel() for p in params),
+                   dtype=",".join(sorted({str(p.dtype).replace("torch.", "") for p in params})),
+                   device=",".join(sorted({str(p.device) for p in params})),
+                   size_mb=round(sum(t.numel() * t.element_size() for t in [*params, *component.buffers()]) / 1e6, 3))
+    return row
+
+
+def pick(config, keys):
+    return {k: (list(config[k]) if isinstance(config[k], tuple) else config[k])
+            for k in keys if config.get(k) is not None}
+
+
+def describe(pipe, labels, args):
+    from diffusers.models.attention_processor import Attention
+
+    report = {"components": [module_row(name, c) for name, c in pipe.components.items()]}
+    s = pipe.scheduler
+    report["scheduler"] = {"class": type(s).__name__, **pick(s.config, [
+        "num_train_timesteps", "beta_schedule", "beta_start", "beta_end", "prediction_type", "timestep_spacing",
+        "steps_offset", "clip_sample", "thresholding"]), "init_noise_sigma": float(s.init_noise_sigma),
+        "order": s.order}
+    name = "unet" if hasattr(pipe, "unet") else "transformer"
+    model = getattr(pipe, name)
+    d = {"component": name, "class": type(model).__name__, **pick(model.config, [
+        "sample_size", "in_channels", "out_channels", "block_out_channels", "layers_per_block", "down_block_types",
+        "cross_attention_dim", "attention_head_dim", "num_attention_heads", "num_class_embeds", "class_embed_type",
+        "time_cond_proj_dim"])}
+    # The config's head numbers are famously mislabelled in SD 1.x (attention_head_dim holds the head count):
+    # count what the built modules really use.
+    kinds = [f"{'cross' if m.is_cross_attention else 'self'}-attention ({m.heads} heads x {m.inner_dim // m.heads} "
+             "dims)" for m in model.modules() if isinstance(m, Attention)]
+    if kinds:
+        d["attention_modules"] = [f"{kinds.count(kind)} {kind}" for kind in dict.fromkeys(kinds)]
+    if labels:
+        d["labels"] = labels
+        d["null_class_id"] = len(labels)  # train_ddpm.py: the last embedding is "no class", for guidance
+    report["denoiser"] = d
+    for comp_name, comp in pipe.components.items():  # SDXL and others have text_encoder_2, tokenizer_2
+        if comp_name.startswith("text_encoder") and comp is not None:
+            report.setdefault("text_encoders", {})[comp_name] = {"class": type(comp).__name__, **pick(
+                comp.config.to_dict(), ["hidden_size", "num_hidden_layers", "num_attention_heads",
+                                        "max_position_embeddings", "vocab_size", "projection_dim"])}
+        if comp_name.startswith("tokenizer") and comp is not None:
+            report.setdefault("tokenizers", {})[comp_name] = {
+                "class": type(comp).__name__, "model_max_length": comp.model_max_length, "vocab_size": len(comp),
+                "pad_token": comp.pad_token}
+    height, width = image_size(pipe, args)
+    vae = getattr(pipe, "vae", None)
+    if vae is not None:
+        c, factor = vae.config, pipe.vae_scale_factor
+        report["vae"] = {"class": type(vae).__name__, **pick(c, ["scaling_factor", "shift_factor", "latent_channels",
+                                                                 "block_out_channels"]),
+                         "downsampling_factor": factor, "image_shape": [args.num_images, 3, height, width],
+                         "latent_shape": [args.num_images, c.latent_channels, height // factor, width // factor]}
+    else:
+        report["image_shape"] = [args.num_images, model.config.in_channels, height, width]
+    return report
+
+
+def image_size(pipe, args):
+    """The call's image size: --height/--width, checked against the VAE, or the pipeline's default."""
+    size = (getattr(pipe, "unet", None) or pipe.transformer).config.sample_size
+    size = (size, size) if isinstance(size, int) else tuple(size)
+    if getattr(pipe, "vae", None) is None:
+        if args.height or args.width:
+            raise UserError(f"--height/--width: {type(pipe).__name__} samples at its UNet's sample_size {size}")
+        return size
+    factor = pipe.vae_scale_factor
+    height, width = args.height or size[0] * factor, args.width or size[1] * factor
+    for flag, value in (("--height", height), ("--width", width)):
+        if value % factor:
+            raise UserError(f"{flag} {value} is not divisible by {factor}, the VAE's downsampling factor")
+    return height, width
+
+
+def load_lora(pipe, args):
+    """Load the LoRA into the base through diffusers' own loader, then describe the peft layers it created."""
+    from peft.tuners.lora import LoraLayer
+
+    if not hasattr(pipe, "load_lora_weights"):
+        raise UserError(f"--lora: {type(pipe).__name__} cannot load LoRA weights")
+    folder, weight_name = ((args.lora, LORA_WEIGHTS) if os.path.isdir(args.lora)
+                           else (os.path.dirname(args.lora) or ".", os.path.basename(args.lora)))
+    base_params = {name: sum(p.numel() for p in c.parameters()) for name, c in pipe.components.items()
+                   if hasattr(c, "parameters")}
+    try:
+        pipe.load_lora_weights(folder, weight_name=weight_name, adapter_name="inspected")
+    except (RuntimeError, ValueError, KeyError, OSError) as err:
+        mismatch = re.search(r"size mismatch for (\S+): copying a param with shape torch.Size\((\[[^]]*\])\) from "
+                             r"checkpoint, the shape in current model is torch.Size\((\[[^]]*\])\)", str(err))
+        if mismatch:
+            module, theirs, ours = mismatch.groups()
+            module = module.replace(".inspected.", ".")  # the adapter name we gave it
+            raise UserError(f"--lora '{args.lora}' was made for another base: {module} is {theirs} in the LoRA but "
+                            f"{ours} in '{args.model}'") from None
+        raise UserError(f"--lora '{args.lora}' does not load into '{args.model}': {first_line(err)}") from None
+    info = read_lora_info(folder) or {}
+    report = {"path": args.lora, "trained_on": info.get("base_model"), "components": {}}
+    for name, component in pipe.components.items():
+        layers = [(n, m) for n, m in (component.named_modules() if hasattr(component, "named_modules") else [])
+                  if isinstance(m, LoraLayer) and "inspected" in m.lora_A]
+        if not layers:
+            continue
+        targets, added = {}, 0
+        for module_name, layer in layers:
+            parts = module_name.split(".")
+            target = ".".join(parts[-2:]) if parts[-1].isdigit() else parts[-1]  # to_out.0, to_q, ...
+            targets[target] = targets.get(target, 0) + 1
+            for attr in ("lora_A", "lora_B", "lora_magnitude_vector"):  # the magnitude vector: DoRA
+                holder = getattr(layer, attr, {})
+                if "inspected" in holder:
+                    added += sum(p.numel() for p in holder["inspected"].parameters())
+        report["components"][name] = {
+            "modules": len(layers), "targets": targets,
+            "rank": sorted({layer.r["inspected"] for _, layer in layers}),
+            "alpha": sorted({layer.lora_alpha["inspected"] for _, layer in layers}),
+            "scaling (alpha/rank)": sorted({round(layer.scaling["inspected"], 6) for _, layer in layers}),
+            "parameters_added": added, "percent_of_base": round(100 * added / base_params[name], 3)}
+    if not report["components"]:
+        raise UserError(f"--lora '{args.lora}' adapts no module of '{args.model}' (a LoRA for another architecture?)")
+    report["parameters_added"] = sum(c["parameters_added"] for c in report["components"].values())
+    # What loaded is what runs: flag where it differs from what lora_info.json promises (a file saved without
+    # its adapter metadata loads with alpha = rank, silently changing the LoRA's strength).
+    report["warnings"] = []
+    for key, loaded in (("rank", "rank"), ("lora_alpha", "alpha")):
+        values = {v for c in report["components"].values() for v in c[loaded]}
+        if info.get(key) is not None and values != {info[key]}:
+            report["warnings"].append(f"lora_info.json says {key} {info[key]}, but the weights load with {loaded} "
+                                      f"{', '.join(map(str, sorted(values)))}")
+    return report
+
+
+# ---------------------------------------------------------------------------------------------- printing
+def fmt(value):
+    if isinstance(value, list) and all(isinstance(v, int) for v in value):
+        return "[" + ", ".join(map(str, value)) + "]"
+    if isinstance(value, dict):
+        return "; ".join(f"{k}: {fmt(v)}" for k, v in value.items())
+    return ", ".join(map(fmt, value)) if isinstance(value, list) else str(value)
+
+
+def print_section(title, entries, skip=("class", "component")):
+    print(f"\n{title}")
+    entries = {k: v for k, v in entries.items() if k not in skip}
+    width = max(map(len, entries), default=0)
+    for key, value in entries.items():
+        print(f"  {key:<{width}}  {fmt(value)}")
+
+
+def print_report(r):
+    print(f"{r['model']}: {r['pipeline']}" + "".join(f"\n  ({note})" for note in r["notes"]))
+    print(f"\ncomponents\n  {'name':<18}{'class':<28}{'parameters':>12}  {'dtype':<9}{'device':<8}"
+          f"{'MB':>9}")
+    for c in r["components"]:
+        print(f"  {c['name']:<18}{c['class'] or '-':<28}" + (
+            f"{c['parameters']:>12,}  {c['dtype']:<9}{c['device']:<8}{c['size_mb']:>9.3f}"
+            if "parameters" in c else "").rstrip())
+    print(f"  {'total':<46}{sum(c.get('parameters', 0) for c in r['components']):>12,}")
+    print_section(f"scheduler: {r['scheduler']['class']}", r["scheduler"])
+    print_section(f"denoiser ({r['denoiser']['component']}): {r['denoiser']['class']}", r["denoiser"])
+    for name, entry in [*r.get("text_encoders", {}).items(), *r.get("tokenizers", {}).items()]:
+        print_section(f"{name}: {entry['class']}", entry)
+    if "vae" in r:
+        print_section(f"vae: {r['vae']['class']}", r["vae"])
+    if "lora" in r:
+        lora = r["lora"]
+        print(f"\nlora: {lora['path']} (trained on {lora['trained_on'] or 'unknown'}) adds "
+              f"{lora['parameters_added']:,} parameters" + "".join(f"\n  warning: {w}" for w in lora["warnings"]))
+        for name, entry in lora["components"].items():
+            print_section(f"lora in {name}", entry)
+    if "trace" in r:
+        print_trace(r["trace"])
+    if "trajectory" in r:
+        t = r["trajectory"]
+        print(f"\ntrajectory: {t['path']} ({t['panels']} panels, x0 from {t['source']}, first image of the batch) at "
+              "steps " + ", ".join(f"{p['step']} (t={p['t']})" for p in r["trace"]["trajectory"]))
+
+
+def print_trace(t):
+    print(f"\ntrace: {t['how']}\n  initial noise {fmt(t['initial_noise'])}; classifier-free guidance "
+          + ("on: the denoiser sees the batch twice (unconditional + conditional)" if t["guided"] else "off")
+          + f"\n  {'ms':>9}  stage")
+    for s in t["stages"]:
+        if s["stage"] != "denoise":
+            info = {k: v for k, v in s.items() if k not in ("stage", "ms")}
+            if len(info.get("timesteps", [])) > 12:
+                info["timesteps"] = f"{fmt(info['timesteps'][:5])[:-1]}, ..., {fmt(info['timesteps'][-3:])[1:]}"
+            print(f"  {s['ms']:>9.2f}  {s['stage']}  {fmt(info)}")
+            continue
+        unet_in = " + ".join(f"{k} {fmt(v)}" for k, v in s["unet_in"].items())
+        guidance = f" | {s['guidance']['ms']:.2f} ms guidance -> {fmt(s['guidance']['out'])}" if "guidance" in s else ""
+        print(f"  {s['unet_ms']:>9.2f}  step {s['step']} t={s['t']}: unet({unet_in}) -> {fmt(s['unet_out'])}{guidance}"
+              f" | {s['scheduler_ms']:.2f} ms scheduler.step -> {fmt(s['latents'])}")
+    print(f"  {t['total_ms']:>9.2f}  total (wall time of the call)")
+

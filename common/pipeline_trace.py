@@ -1,0 +1,233 @@
+"""What a diffusion pipeline's __call__ really does, for inspect_pipeline.py --trace: one real call, stage by stage,
+with shapes and wall times, and the predicted clean image x0 at chosen steps.
+
+The pipeline runs its own code while timed wrappers around its methods and forward hooks on its modules (each removed
+afterwards) record what runs; nothing is re-implemented, so what is recorded is what ran.
+"""
+import functools
+import time
+
+from .cli import UserError, first_line
+from .diffusion import DEFAULT_GUIDANCE_SCALE, sample_images, to_pil
+from .pipeline_report import image_size
+from .pipelines import class_label_ids
+from .stable_diffusion import decode_fp32
+
+
+# ---------------------------------------------------------------------------------------------- the recorder
+def shape(x):
+    """A tensor's shape as a JSON-able list; None for anything else."""
+    return list(x.shape) if hasattr(x, "shape") else None
+
+
+def scalar(t):
+    """A timestep (tensor or number) as an int when it is one, else a rounded float (Euler's sigmas-based ones)."""
+    value = float(t)
+    return int(value) if value.is_integer() else round(value, 4)
+
+
+class CallRecorder:
+    """Collects `stages` (dicts in call order); remove() takes every wrapper and hook away again."""
+
+    def __init__(self, cuda=False):
+        self.cuda, self.stages, self.last_end, self._undo = cuda, [], None, []
+
+    def clock(self):
+        if self.cuda:  # GPU work is asynchronous: wait for it, or its time lands in a later stage
+            import torch
+
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+    def add(self, stage, ms, **info):
+        entry = {"stage": stage, "ms": round(ms, 3), **info}
+        self.stages.append(entry)
+        return entry
+
+    def wrap(self, owner, name, record):
+        """owner.name(...) also calls record(args, kwargs, result, ms, start). The wrapper is an instance attribute
+        that shadows the class's method; functools.wraps keeps the signature, which pipelines inspect (eta,
+        generator)."""
+        original = getattr(owner, name)
+
+        @functools.wraps(original)
+        def wrapper(*a, **kw):
+            start = self.clock()
+            out = original(*a, **kw)
+            self.last_end = self.clock()
+            record(a, kw, out, (self.last_end - start) * 1e3, start)
+            return out
+
+        had = name in vars(owner)
+        setattr(owner, name, wrapper)
+        self._undo.append(lambda: setattr(owner, name, original) if had else delattr(owner, name))
+
+    def hook(self, module, pre, post):
+        """Forward pre-hook pre(module, args, kwargs) and hook post(module, args, kwargs, output) on a module."""
+        self._undo.append(module.register_forward_pre_hook(pre, with_kwargs=True).remove)
+        self._undo.append(module.register_forward_hook(post, with_kwargs=True).remove)
+
+    def remove(self):
+        while self._undo:
+            self._undo.pop()()
+
+
+# ---------------------------------------------------------------------------------------------- what it does
+def watch_denoiser(rec, unet, scheduler, trajectory_steps):
+    """One 'denoise' stage per denoiser call: a forward hook on the unet, a wrapped scheduler.step (and what ran
+    between them: the guidance combine), the timesteps from a wrapped set_timesteps; x0 kept at chosen steps."""
+    rec.step, rec.x0, rec.keep, rec.calls, rec.initial_noise = None, [], set(), 0, None
+
+    def pre(module, a, kw):
+        inputs = {"sample": shape(a[0] if a else kw["sample"])}
+        cond = kw.get("encoder_hidden_states", a[2] if len(a) > 2 else None)
+        if cond is not None:
+            inputs["encoder_hidden_states"] = shape(cond)
+        if kw.get("class_labels") is not None:
+            inputs["class_labels"] = kw["class_labels"].tolist()
+        rec.step = {"stage": "denoise", "step": sum(s["stage"] == "denoise" for s in rec.stages),
+                    "t": scalar(a[1] if len(a) > 1 else kw["timestep"]), "unet_in": inputs}
+        rec.stages.append(rec.step)
+        rec.unet_start = rec.clock()
+
+    def post(module, a, kw, output):
+        rec.unet_end = rec.clock()
+        rec.step.update(unet_ms=round((rec.unet_end - rec.unet_start) * 1e3, 3), unet_out=shape(output[0]))
+
+    def on_step(a, kw, out, ms, start):
+        model_output, t = (a[0] if a else kw["model_output"]), (a[1] if len(a) > 1 else kw["timestep"])
+        sample = a[2] if len(a) > 2 else kw["sample"]
+        if rec.step["unet_out"][0] != shape(model_output)[0]:  # uncond + w * (cond - uncond) ran in between
+            rec.step["guidance"] = {"in": rec.step["unet_out"], "out": shape(model_output),
+                                    "ms": round((start - rec.unet_end) * 1e3, 3)}
+        prev = out[0] if isinstance(out, tuple) else out.prev_sample
+        rec.step.update(scheduler_in=shape(model_output), scheduler_ms=round(ms, 3), latents=shape(prev))
+        index, rec.calls = rec.calls, rec.calls + 1
+        if index == 0:  # the scheduler sees the latents before any doubling for guidance
+            rec.initial_noise = shape(sample)
+        if index in rec.keep:  # schedulers return (prev_sample, pred_original_sample) when they compute x0
+            x0 = out[1] if isinstance(out, tuple) and len(out) > 1 else getattr(out, "pred_original_sample", None)
+            source = "pred_original_sample"
+            if x0 is None:  # multistep solvers (DPM, UniPC, PNDM) do not return it: invert the noise schedule
+                x0, source = x0_from_prediction(scheduler, model_output, t, sample), "alphas_cumprod"
+            rec.x0.append({"step": index, "t": scalar(t), "source": source, "x0": x0[:1].detach().float().cpu()})
+
+    def on_set_timesteps(a, kw, out, ms, start):
+        timesteps = [scalar(t) for t in scheduler.timesteps]
+        n, k = len(timesteps), min(trajectory_steps, len(timesteps))
+        rec.keep = {round(i * (n - 1) / max(k - 1, 1)) for i in range(k)} if k else set()  # first ... last
+        rec.add("scheduler.set_timesteps", ms, num_inference_steps=n, timesteps=timesteps)
+
+    rec.hook(unet, pre, post)
+    rec.wrap(scheduler, "step", on_step)
+    rec.wrap(scheduler, "set_timesteps", on_set_timesteps)
+
+
+def x0_from_prediction(scheduler, model_output, t, sample):
+    """x0 from x_t and the model's prediction, for a variance-preserving schedule (alphas_cumprod)."""
+    a = scheduler.alphas_cumprod[int(t)].to(sample.device, sample.dtype)
+    kind = scheduler.config.prediction_type
+    if kind == "epsilon":
+        return (sample - (1 - a) ** 0.5 * model_output) / a ** 0.5
+    if kind == "v_prediction":
+        return a ** 0.5 * sample - (1 - a) ** 0.5 * model_output
+    return model_output  # "sample": the model predicts x0 itself
+
+
+def trace_sd(pipe, args, rec, generator, steps_kept):
+    """One real StableDiffusionPipeline-style call; -> (how it was recorded, images)."""
+    calls = {}
+    for name, component in pipe.components.items():
+        if name.startswith("text_encoder") and component is not None:
+            def pre(module, a, kw):
+                rec.text_in, rec.text_start = shape(a[0] if a else kw["input_ids"]), rec.clock()
+
+            def post(module, a, kw, output, name=name):
+                calls[name] = calls.get(name, 0) + 1  # encode_prompt encodes the prompt, then the negative one
+                rec.add(name, (rec.clock() - rec.text_start) * 1e3, input_ids=rec.text_in,
+                        last_hidden_state=shape(output[0]), text="prompt" if calls[name] == 1 else "negative prompt")
+            rec.hook(component, pre, post)
+    rec.wrap(pipe, "prepare_latents", lambda a, kw, out, ms, start: rec.add(
+        "prepare_latents", ms, latents=shape(out), init_noise_sigma=float(pipe.scheduler.init_noise_sigma)))
+    watch_denoiser(rec, pipe.unet, pipe.scheduler, steps_kept)
+    rec.wrap(pipe.vae, "decode", lambda a, kw, out, ms, start: rec.add(
+        "vae.decode", ms, latents=shape(a[0] if a else kw["z"]), image=shape(out[0]),
+        note=f"in: latents / scaling_factor {pipe.vae.config.scaling_factor}; out: pixels in [-1, 1]"))
+    rec.wrap(pipe.image_processor, "postprocess", lambda a, kw, out, ms, start: rec.add(
+        "image_processor.postprocess", ms, image=shape(a[0] if a else kw["image"]),
+        output=f"{len(out)} x {type(out[0]).__name__} {getattr(out[0], 'size', '')}"))
+
+    def on_step_end(pipeline, i, t, tensors):  # the pipeline's own hook point: what it carries to the next step
+        rec.step["callback_on_step_end"] = {"i": i, **{k: shape(v) for k, v in tensors.items()}}
+        return {}
+
+    height, width = image_size(pipe, args)
+    inputs = [k for k in ("latents", "prompt_embeds") if k in getattr(pipe, "_callback_tensor_inputs", [])]
+    try:
+        images = pipe(args.prompt, num_inference_steps=args.num_inference_steps, height=height, width=width,
+                      guidance_scale=7.5 if args.guidance_scale is None else args.guidance_scale,
+                      num_images_per_prompt=args.num_images, generator=generator, callback_on_step_end=on_step_end,
+                      callback_on_step_end_tensor_inputs=inputs).images
+    except ValueError as err:
+        raise UserError(f"{type(pipe).__name__} refused the call: {first_line(err)}") from None
+    return (f"{type(pipe).__name__}.__call__, recorded by forward hooks on the text encoder(s) and unet, wrappers "
+            "around prepare_latents, scheduler.set_timesteps/step, vae.decode and image_processor.postprocess, and "
+            "callback_on_step_end"), images
+
+
+def trace_ddpm(pipe, args, rec, generator, steps_kept, labels):
+    """DDPMPipeline has no callbacks: forward hooks on its unet and a wrapped scheduler.step record what runs."""
+    import torch
+
+    watch_denoiser(rec, pipe.unet, pipe.scheduler, steps_kept)
+    hooks = "recorded by forward hooks on unet and a wrapped scheduler.step"
+    num_classes = (pipe.unet.config.num_class_embeds or 1) - 1
+    if num_classes <= 0:
+        if args.guidance_scale not in (None, 1.0) or args.class_label is not None:
+            raise UserError("--guidance_scale/--class_label: this DDPM is unconditional (no class embeddings)")
+        images = pipe(batch_size=args.num_images, generator=generator,
+                      num_inference_steps=args.num_inference_steps).images
+        return f"DDPMPipeline.__call__, {hooks}", images
+    names = labels or [str(i) for i in range(num_classes)]
+    class_id = class_label_ids([names[0] if args.class_label is None else args.class_label], names)[0]
+    guidance = DEFAULT_GUIDANCE_SCALE if args.guidance_scale is None else args.guidance_scale
+    # DDPMPipeline.__call__ passes no class labels: run the loop that sample.py and train_ddpm.py sample with.
+    result = sample_images(pipe.unet, pipe.scheduler, args.num_images, generator=generator,
+                           class_labels=torch.full((args.num_images,), class_id), null_class=num_classes,
+                           guidance_scale=guidance, num_inference_steps=args.num_inference_steps)
+    return (f"common.diffusion.sample_images (sample.py's loop: DDPMPipeline.__call__ takes no class labels) with "
+            f"the pipeline's scheduler, class '{names[class_id]}' (id {class_id}), guidance {guidance}, null class "
+            f"id {num_classes}; {hooks}"), to_pil(result)
+
+
+def trace(pipe, args, labels, device):
+    """-> (trace report, the call's images, trajectory panels or None). Every hook is removed afterwards."""
+    import torch
+
+    sd = getattr(pipe, "vae", None) is not None and hasattr(pipe, "text_encoder")
+    if not sd and type(pipe).__name__ != "DDPMPipeline":
+        raise UserError(f"--trace: {type(pipe).__name__} is neither a Stable Diffusion-like nor a DDPM pipeline")
+    rec = CallRecorder(cuda=device.type == "cuda")
+    generator = torch.Generator().manual_seed(args.seed)  # on the CPU: the same noise on any device
+    kept = args.trajectory_steps if args.save_trajectory else 0
+    start = rec.clock()
+    try:
+        how, images = (trace_sd(pipe, args, rec, generator, kept) if sd
+                       else trace_ddpm(pipe, args, rec, generator, kept, labels))
+    finally:
+        rec.remove()
+    end = rec.clock()
+    if not sd:  # (x / 2 + 0.5).clamp and to PIL happen inside the call, with no hook point: timed as its rest
+        rec.add("postprocess (rest of the call)", (end - rec.last_end) * 1e3,
+                output=f"{len(images)} x {type(images[0]).__name__} {images[0].size}")
+    report = {"how": how, "total_ms": round((end - start) * 1e3, 3), "initial_noise": rec.initial_noise,
+              "guided": any("guidance" in s for s in rec.stages), "stages": rec.stages}
+    panels = None
+    if rec.x0:
+        report["trajectory"] = [{k: v for k, v in p.items() if k != "x0"} for p in rec.x0]
+        x0 = torch.cat([p["x0"] for p in rec.x0])
+        if sd:  # decoded after the call, so not traced; in fp32, as fp16 VAEs decode to black
+            panels = decode_fp32(pipe, x0.to(device))
+        else:
+            panels = to_pil((x0 / 2 + 0.5).clamp(0, 1))
+    return report, images, panels
