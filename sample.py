@@ -26,7 +26,7 @@ from common.args import (
     positive_int,
 )
 from common.cli import UserError, first_line, one_line, run
-from common.diffusion import DEFAULT_SCHEDULER, SCHEDULER_CLASSES, SD_SCHEDULER
+from common.diffusion import DEFAULT_SCHEDULER, SCHEDULER_CLASSES, SD_GUIDANCE_SCALE, SD_INFERENCE_STEPS, SD_SCHEDULER
 from common.pipelines import class_label_ids, model_kind, read_labels
 
 
@@ -53,6 +53,9 @@ def parse_args(argv=None):
     parser.add_argument("--prompt", action="append", default=None, help="Repeatable.")
     parser.add_argument("--negative_prompt", default=None)
     parser.add_argument("--lora", action="append", default=[], help="PATH[:SCALE], repeatable.")
+    parser.add_argument("--lora_scale", type=float, nargs="+", default=[1.0],
+                        help="Multiplies every LoRA's scale; several values (e.g. 0 0.5 1) draw every prompt and "
+                             "seed at each, a grid row per scale and prompt (0: the base alone).")
     parser.add_argument("--guidance_rescale", type=float, default=0.0)
     parser.add_argument("--clip_skip", type=non_negative_int, default=None)
     parser.add_argument("--height", type=positive_int, default=None)
@@ -160,7 +163,6 @@ def sample_sd(args):
         LORA_WEIGHTS,
         check_safetensors,
         check_sd_pipeline,
-        decode_fp32,
         load_error,
         read_lora_info,
     )
@@ -224,19 +226,32 @@ def sample_sd(args):
         if name not in present:
             raise UserError(f"--lora '{path}' adapts no layer of the base model '{base}': none of its keys name a "
                             "module of this base (a LoRA for another architecture?)")
-    if names:
-        pipe.set_adapters(names, adapter_weights=[scale for _, scale in loras])
     pipe.to(device)
     pipe.set_progress_bar_config(disable=True)
 
-    steps = args.num_inference_steps or 30
-    guidance = args.guidance_scale if args.guidance_scale is not None else 7.5
-    jobs = [(prompt, j) for prompt in args.prompt for j in range(args.num_images)]
+    steps = args.num_inference_steps or SD_INFERENCE_STEPS
+    guidance = args.guidance_scale if args.guidance_scale is not None else SD_GUIDANCE_SCALE
     common = {"model": args.model, "base_model": base, "lora": ",".join(f"{p}:{s:g}" for p, s in loras),
               "scheduler": args.scheduler or SD_SCHEDULER, "num_inference_steps": steps,
               "guidance_scale": guidance, "guidance_rescale": args.guidance_rescale, "clip_skip": args.clip_skip,
               "negative_prompt": args.negative_prompt or ""}
     images, params = [], []
+    for lora_scale in args.lora_scale if names else [1.0]:
+        if names:
+            pipe.set_adapters(names, adapter_weights=[lora_scale * scale for _, scale in loras])
+        images, params = draw_sd(pipe, args, images, params, {**common, **({"lora_scale": lora_scale} if names else {})},
+                                 steps, guidance)
+    return save_images(images, params, output_dir(args), args.num_images)
+
+
+def draw_sd(pipe, args, images, params, common, steps, guidance):
+    """Every prompt x --num_images seeds, in batches; appends to images and params."""
+    import torch
+
+    from common.stable_diffusion import decode_fp32
+
+    jobs = [(prompt, j) for prompt in args.prompt for j in range(args.num_images)]
+    first = len(images)
     for start in range(0, len(jobs), args.batch_size):
         batch = jobs[start:start + args.batch_size]
         with torch.no_grad():
@@ -248,8 +263,8 @@ def sample_sd(args):
                 output_type="latent").images
         images += decode_fp32(pipe, latents)
         params += [{**common, "prompt": prompt, "seed": args.seed + j, "index": j, "height": image.height,
-                    "width": image.width} for (prompt, j), image in zip(batch, images[start:])]
-    return save_images(images, params, output_dir(args), args.num_images)
+                    "width": image.width} for (prompt, j), image in zip(batch, images[first + start:])]
+    return images, params
 
 
 def output_dir(args):

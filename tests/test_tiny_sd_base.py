@@ -148,3 +148,24 @@ def test_rebuild_with_tiny_step_counts_and_a_changed_file_is_refused(digits, tmp
     shutil.rmtree(shipped / "unet")
     assert_one_line_error(run_script("train_text_to_image.py", *args), "is missing")
     assert not out.exists()
+
+
+def test_sample_py_lora_scale_sweep_grows_the_style_from_the_base(style_lora, tmp_path):
+    from PIL import Image
+
+    from demo.digit_eval import in_style
+
+    prompt = ["--prompt", "a handwritten digit three, red ink on paper", "--num_images", "4"]
+    for model, out, extra in ((style_lora, "sweep", ["--lora_scale", "0", "0.5", "1"]), (BASE, "base", [])):
+        proc = run_script("sample.py", "--model", model, *prompt, *extra, "--output_dir", tmp_path / out)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+
+    def read(folder, n):
+        return torch.stack([torch.from_numpy(np.asarray(Image.open(tmp_path / folder / f"{i:04d}.png"))).permute(
+            2, 0, 1).float() / 255 for i in range(n)])
+
+    sweep, base = read("sweep", 12), read("base", 4)
+    assert torch.equal(sweep[:4], base)  # scale 0: the base alone, pixel for pixel
+    rates = [in_style(sweep[i:i + 4]).float().mean().item() for i in (0, 4, 8)]
+    assert rates[0] <= rates[1] <= rates[2] and rates[2] > rates[0], rates
+    assert json.loads(Image.open(tmp_path / "sweep" / "0011.png").text["parameters"])["lora_scale"] == 1.0
