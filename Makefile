@@ -79,8 +79,9 @@ tiny-sd-base: data
 	$(LAUNCH) $(if $(LAUNCH_ENV),--num_cpu_threads_per_process 1,) train_text_to_image.py $(BASE_UNET_ARGS) $(ARGS)
 	$(PY) -m demo.tiny_sd_base finish --model $(BASE_WORK)/unet --init $(BASE_WORK)/init --output_dir $(BASE_DIR) \
 	  $(BASE_FINISH_ARGS) --commands 'make data ;; python -m demo.tiny_sd_base vae --output_dir $(BASE_WORK)/init \
-	  $(BASE_VAE_ARGS) ;; accelerate launch --config_file $(CONFIG) train_text_to_image.py \
-	  $(subst ",\",$(BASE_UNET_ARGS)) $(ARGS) ;; python -m demo.tiny_sd_base finish --model $(BASE_WORK)/unet \
+	  $(BASE_VAE_ARGS) ;; $(if $(LAUNCH_ENV),ACCELERATE_USE_CPU=1 ,)accelerate launch --config_file $(CONFIG) \
+	  $(if $(LAUNCH_ENV),--num_cpu_threads_per_process 1 ,)train_text_to_image.py \
+	  $(BASE_UNET_ARGS) $(ARGS) ;; python -m demo.tiny_sd_base finish --model $(BASE_WORK)/unet \
 	  --init $(BASE_WORK)/init --output_dir $(BASE_DIR) $(BASE_FINISH_ARGS)'
 
 # Full fine-tuning of the shipped base's UNet on the red-ink digits (the LoRA demo's data), EMA exported.
@@ -94,11 +95,12 @@ train-text-to-image: data
 # attention, feed-forward and convolution layers (on the 1 M-parameter UNet, attention alone learns the colours but
 # loses the digits); then demo/style_report.py measures it and draws it side by side with the base. With a base of
 # your own in ARGS (--pretrained_model_name_or_path ...), none of the demo's flags and a sample grid instead.
+STYLE_PROMPT := "a handwritten digit seven, red ink on paper"
 DEMO_LORA = $(if $(findstring --pretrained_model_name_or_path,$(ARGS)),,yes)
 LORA_TARGETS := to_k,to_q,to_v,to_out.0,proj_in,proj_out,ff.net.0.proj,ff.net.2,conv1,conv2,conv_shortcut,conv_in,$\
   conv_out,time_emb_proj
 LORA_DEMO = $(if $(DEMO_LORA),--train_data_dir data/digits-red-ink --learning_rate 3e-3 --train_batch_size 16 \
-  --max_train_steps 400 --target_modules $(LORA_TARGETS) --validation_prompt "a handwritten digit seven, red ink on paper")
+  --max_train_steps 400 --target_modules $(LORA_TARGETS) --validation_prompt $(STYLE_PROMPT))
 LORA_PROMPTS := --prompt "a handwritten digit zero, red ink on paper" --prompt "a handwritten digit three, red ink on \
   paper" --prompt "a handwritten digit seven, red ink on paper"
 train-lora: data

@@ -239,8 +239,8 @@ def sample_sd(args):
     for lora_scale in args.lora_scale if names else [1.0]:
         if names:
             pipe.set_adapters(names, adapter_weights=[lora_scale * scale for _, scale in loras])
-        images, params = draw_sd(pipe, args, images, params, {**common, **({"lora_scale": lora_scale} if names else {})},
-                                 steps, guidance)
+        scale = {"lora_scale": lora_scale} if names else {}
+        images, params = draw_sd(pipe, args, images, params, {**common, **scale}, steps, guidance)
     return save_images(images, params, output_dir(args), args.num_images)
 
 

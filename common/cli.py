@@ -38,6 +38,19 @@ def quiet_libraries():
     logging.getLogger("diffusers.loaders.lora_base").addFilter(_DropMessages("No LoRA keys associated to"))
 
 
+def quiet_loading_bars():
+    """No tqdm bar for every local load or save of a model (diffusers' "Loading pipeline components", transformers'
+    "Loading weights" and "Writing model shards"), so that the run's own progress bar stays readable; downloads from
+    the hub keep theirs. Imports torch: call it once the flags are parsed, never before --help."""
+    from diffusers.utils import logging as diffusers_logging
+    from huggingface_hub.utils import enable_progress_bars
+    from transformers.utils import logging as transformers_logging
+
+    diffusers_logging.disable_progress_bar()
+    transformers_logging.disable_progress_bar()
+    enable_progress_bars()  # (transformers' switch turns the hub's off too)
+
+
 def run(main, parse_args, argv=None):
     """Parse the flags and run `main(args)`; turn a UserError, or a write that failed for want of space or
     permission, into `error: <message>` and exit 2."""
@@ -45,7 +58,9 @@ def run(main, parse_args, argv=None):
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     quiet_libraries()
     try:
-        main(parse_args(argv))
+        args = parse_args(argv)
+        quiet_loading_bars()
+        main(args)
     except UserError as err:
         _exit_with(_one_line(str(err)))
     except Exception as err:  # a full disk or a read-only folder is the user's to fix, not a bug: one line too

@@ -212,7 +212,10 @@ def save_lora_weights(folder, lora_models, info, kohya=False):
         text_encoder_layers = {text_encoder_key(key): value
                                for key, value in convert_state_dict_to_diffusers(states["text_encoder"]).items()}
     StableDiffusionPipeline.save_lora_weights(
-        folder, weight_name=LORA_WEIGHTS, unet_lora_layers=convert_state_dict_to_diffusers(states["unet"]),
+        # The UNet's keys stay in peft's format (lora_A/lora_B): converted, attention layers get diffusers' old
+        # names (lora.down/lora.up) while convolutions keep peft's, and the loader then drops the attention ones
+        # without an error (a LoRA on attention and convolutions would load half applied).
+        folder, weight_name=LORA_WEIGHTS, unet_lora_layers=states["unet"],
         text_encoder_lora_layers=text_encoder_layers,
         unet_lora_adapter_metadata=configs["unet"], text_encoder_lora_adapter_metadata=configs.get("text_encoder"))
     if kohya:

@@ -78,8 +78,9 @@ def main(args):
 if __name__ == "__main__":
     import torch
 
-    from common.cli import quiet_libraries
+    from common.cli import quiet_libraries, quiet_loading_bars
 
     quiet_libraries()
+    quiet_loading_bars()
     torch.set_num_threads(max(1, min(torch.get_num_threads(), 2)))
     main(parse_args())

@@ -19,6 +19,7 @@ import json
 import math
 import os
 import platform
+import re
 import shutil
 import subprocess
 import sys
@@ -215,7 +216,7 @@ def finish(args):
         "",
         "Rebuilt by (`make tiny-sd-base`):",
         "```",
-        *args.commands.split(" ;; "),
+        *(" ".join(re.sub(r"\\\s*\n", " ", command).split()) for command in args.commands.split(" ;; ")),
         "```",
         "",
     ]
@@ -250,9 +251,10 @@ def main(argv=None):
     args = parser.parse_args(argv)
     import torch
 
-    from common.cli import quiet_libraries
+    from common.cli import quiet_libraries, quiet_loading_bars
 
     quiet_libraries()
+    quiet_loading_bars()
 
     torch.set_num_threads(1)  # these tiny models run no faster on two threads
     (train_vae if args.step == "vae" else finish)(args)

@@ -127,12 +127,16 @@ def test_load_lora_weights_and_kohya_reproduce_the_trained_models(trained, tiny_
 
 
 @pytest.mark.parametrize("use_dora", [False, True])
-def test_saved_lora_weights_load_back_into_both_models(tiny_sd, tmp_path, use_dora):
+@pytest.mark.parametrize("unet_targets", [TARGETS, [*TARGETS, "proj_in", "conv1", "conv_in"]],
+                         ids=["attention", "attention+conv"])
+def test_saved_lora_weights_load_back_into_both_models(tiny_sd, tmp_path, use_dora, unet_targets):
     """save_lora_weights, then `pipe.load_lora_weights`: the UNet and the text encoder as they were in memory, with
     LoRA and with DoRA. Pins the text encoder's DoRA magnitudes, which the file held without the `.weight` that
     transformers' load_adapter expects: it dropped them (UNEXPECTED/MISSING) and the text output moved by ~1. And
     the text encoder's keys, which lacked CLIP's `text_model.` level: transformers 4's CLIPTextModel has it, so they
-    matched none of its modules there (diffusers strips the level for transformers 5, whose model has none)."""
+    matched none of its modules there (diffusers strips the level for transformers 5, whose model has none). And a
+    LoRA on attention and convolutions: diffusers' key conversion renamed only the attention keys, and the loader,
+    seeing the two formats, dropped the attention layers with only a warning."""
     from diffusers import StableDiffusionPipeline
     from peft import LoraConfig
 
@@ -141,7 +145,8 @@ def test_saved_lora_weights_load_back_into_both_models(tiny_sd, tmp_path, use_do
     trained = StableDiffusionPipeline.from_pretrained(tiny_sd)
     before = fixed_unet_output(trained.unet), fixed_text_output(trained)
     torch.manual_seed(0)
-    for model, targets in ((trained.unet, TARGETS), (trained.text_encoder, ["q_proj", "k_proj", "v_proj", "out_proj"])):
+    text_targets = ["q_proj", "k_proj", "v_proj", "out_proj"]
+    for model, targets in ((trained.unet, unet_targets), (trained.text_encoder, text_targets)):
         model.add_adapter(LoraConfig(r=4, lora_alpha=8, init_lora_weights="gaussian", target_modules=targets,
                                      use_dora=use_dora))
         with torch.no_grad():  # as if trained: every LoRA weight (B starts at zero) and DoRA magnitude moved

@@ -1,6 +1,7 @@
 """The shipped tiny digits base (assets/tiny-sd-digits): its files, what it draws, its rebuild, and a style LoRA
 trained on it that must really learn the style (real `accelerate launch` runs)."""
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -66,11 +67,21 @@ def style_lora(tmp_path_factory):
     data = tmp_path_factory.mktemp("data")
     write_digits(str(data / "digits"), styled_dir=str(data / "red"))
     out = data / "lora"
-    launch("train_lora.py", "--train_data_dir", data / "red", "--output_dir", out, "--cache_latents",
+    proc = launch("train_lora.py", "--train_data_dir", data / "red", "--output_dir", out, "--cache_latents",
            "--learning_rate", "3e-3", "--train_batch_size", "16", "--max_train_steps", "150", "--target_modules",
            STYLE_TARGETS, "--export_kohya", "--validation_prompt", "a handwritten digit three, red ink on paper",
            "--num_validation_images", "4", "--checkpointing_steps", "1000", "--report_to", "none")
+    (data / "stderr.txt").write_text(proc.stderr)  # beside the run, not in it
     return out
+
+
+def test_a_normal_run_prints_no_library_warnings(style_lora):
+    # Only the recipe's own lines: no library notice (torchvision fallback, missing text-encoder LoRA keys,
+    # deprecations), no per-load progress bars.
+    stderr = (style_lora.parent / "stderr.txt").read_text()
+    noisy = [line for line in stderr.splitlines()
+             if re.search(r"warn|deprecat|torchvision|Loading (weights|pipeline)|Writing model", line, re.I)]
+    assert not noisy, noisy[:5]
 
 
 def test_a_style_lora_learns_the_style_and_scale_0_is_the_base(style_lora):
