@@ -51,7 +51,7 @@ def main(args):
         sweep.append({"lora_scale": scale, **score(images, labels, judge)})
         rows.append(images[::args.per_digit])  # the first seed of each digit
     picture = os.path.join(args.lora, "side_by_side.png")
-    image_grid(to_pil(torch.cat(rows) * 2 - 1), ncol=10).resize((10 * 64, len(rows) * 64), 0).save(picture)
+    image_grid(to_pil(torch.cat(rows)), ncol=10).resize((10 * 64, len(rows) * 64), 0).save(picture)
     without = next((r for r in sweep if r["lora_scale"] == 0), None)
     full = next((r for r in sweep if r["lora_scale"] == 1), sweep[-1])
     results = {"style_rate_without_lora": without["style_rate"] if without else None,

@@ -173,7 +173,7 @@ def finish(args):
         (shutil.copytree if os.path.isdir(source) else shutil.copy)(source, os.path.join(tmp, name))
     n = min(args.per_digit, 10)
     grid = images.view(10, args.per_digit, *images.shape[1:])[:, :n].reshape(-1, *images.shape[1:])
-    image_grid(to_pil(grid * 2 - 1), ncol=n).save(os.path.join(tmp, "samples.png"))
+    image_grid(to_pil(grid), ncol=n).save(os.path.join(tmp, "samples.png"))
     files = sorted(os.path.relpath(os.path.join(root, f), tmp) for root, _, names in os.walk(tmp) for f in names
                    if f != "samples.png")
     with open(os.path.join(tmp, CHECKSUMS), "w") as f:
