@@ -37,6 +37,7 @@ from common.args import (
     make_parser,
     positive_int,
 )
+from common.checkpoints import read_checkpoint_info, resolve_resume
 from common.cli import UserError, first_line, run
 from common.training import parse_lr_groups
 
@@ -59,7 +60,6 @@ def parse_args(argv=None):
                    help="Per-module learning rates, MODULE_PREFIX=LR,...; the rest use --learning_rate.")
     g.add_argument("--metric_for_best_model", default="accuracy", choices=["accuracy", "f1"])
     g.add_argument("--eval_batch_size", type=positive_int, default=256)
-    g.add_argument("--find_unused_parameters", action="store_true", help="DDP: for models with unused branches.")
     g.add_argument("--channels_last", action=argparse.BooleanOptionalAction, default=True,
                    help="Convolution weights in channels-last memory format (the usual layout for convnets under mixed "
                         "precision on GPUs; faster in the CPU demo too). --no-channels_last: PyTorch's default layout.")
@@ -82,28 +82,12 @@ def parse_args(argv=None):
 
 def main(args):
     import torch
-    import torch.nn.functional as F
     from accelerate import Accelerator
     from accelerate.logging import get_logger
     from accelerate.utils import DataLoaderConfiguration, DistributedDataParallelKwargs, ProjectConfiguration, set_seed
     from tqdm.auto import tqdm
 
-    from common.checkpoints import (
-        checkpoint_step,
-        load_checkpoint,
-        read_checkpoint_info,
-        register_state_hooks,
-        resolve_resume,
-        save_checkpoint,
-    )
-    from common.image_data import (
-        ImageDataset,
-        collate_batch,
-        label_ids,
-        label_names,
-        load_image_dataset,
-        require_columns,
-    )
+    from common.checkpoints import checkpoint_step, load_checkpoint, register_state_hooks, save_checkpoint
     from common.preemption import PreemptionGuard
     from common.reporting import init_trackers, log_with, write_all_results, write_model_card
     from common.training import build_lr_scheduler, build_param_groups, finite_step, plan_steps, resume_position
@@ -127,6 +111,16 @@ def main(args):
 
     # 2. Data: labels -> ids, images decoded once; text tokenized once. eval: the validation split carved from train
     #    (per-epoch metrics, best_model/); test: --eval_split, evaluated only at the end (None if the dataset lacks it).
+    # <domain: data>
+    from common.image_data import (
+        ImageDataset,
+        collate_batch,
+        label_ids,
+        label_names,
+        load_image_dataset,
+        require_columns,
+    )
+
     train_ds, eval_ds, test_ds = load_image_dataset(args, validation_split=args.train_val_split)
     text_columns = {"text_column": args.text_column} if args.text_column else {}
     for ds in [ds for ds in (train_ds, eval_ds, test_ds) if ds is not None]:
@@ -149,7 +143,10 @@ def main(args):
             cols.update(input_ids=tokens["input_ids"], attention_mask=tokens["attention_mask"])
         return cols
 
+    # </domain>
+
     # 3. Model: a pretrained classifier with a new head, or a small ResNet from scratch; optional text branch.
+    # <domain: model>
     from transformers import AutoImageProcessor, AutoModelForImageClassification, ResNetConfig, ResNetModel
     from transformers.models.vit.image_processing_pil_vit import ViTImageProcessorPil
 
@@ -202,11 +199,15 @@ def main(args):
         None if data is None else torch.utils.data.DataLoader(
             data, batch_size=args.eval_batch_size, num_workers=args.dataloader_num_workers, collate_fn=collate_batch)
         for data in (eval_data, test_data)]
+    trained = {"model": model}  # what trains, by checkpoint subfolder
+    # </domain>
 
     # 4. Optimizer on per-module parameter groups; warm-up -> cosine counted in optimizer steps.
+    # <domain: parameter groups>
+    param_groups = build_param_groups(model, args.learning_rate, args.adam_weight_decay, args.lr_groups)
+    # </domain>
     # fused AdamW: one kernel for all parameters instead of a loop over tensors (timings: docs/performance.md).
-    optimizer = torch.optim.AdamW(build_param_groups(model, args.learning_rate, args.adam_weight_decay, args.lr_groups),
-                                  betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon,
+    optimizer = torch.optim.AdamW(param_groups, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon,
                                   fused=accelerator.device.type in ("cpu", "cuda"))
     steps_per_epoch, max_train_steps, num_train_epochs = plan_steps(
         math.ceil(len(train_dataloader) / accelerator.num_processes), args.gradient_accumulation_steps,
@@ -215,11 +216,19 @@ def main(args):
                                       accelerator.num_processes, args.lr_warmup_start_factor, args.lr_min)
 
     # 5. prepare, hooks (checkpoints hold the model in from_pretrained form), then the exact step counts.
-    model, optimizer, train_dataloader, eval_dataloader, lr_scheduler = accelerator.prepare(
-        model, optimizer, train_dataloader, eval_dataloader, lr_scheduler)
+    *models, optimizer, train_dataloader, lr_scheduler = accelerator.prepare(*trained.values(), optimizer,
+                                                                             train_dataloader, lr_scheduler)
+    unwrapped = {name: accelerator.unwrap_model(m, keep_torch_compile=False) for name, m in zip(trained, models)}
+    trained_params = [p for model in models for p in model.parameters() if p.requires_grad]  # what gets clipped
+    # <domain: the prepared models; what a checkpoint holds>
+    model = models[0]
+    eval_dataloader = accelerator.prepare(eval_dataloader)
     if test_dataloader is not None:
         test_dataloader = accelerator.prepare(test_dataloader)
-    register_state_hooks(accelerator, {"model": accelerator.unwrap_model(model, keep_torch_compile=False)})
+    register_state_hooks(accelerator, unwrapped)
+    best_key = f"best_eval_{args.metric_for_best_model}"
+    checkpoint_info = {best_key: None}  # the best validation metric so far: best_model/ is replaced by a better one
+    # </domain>
     steps_per_epoch, max_train_steps, num_train_epochs = plan_steps(
         len(train_dataloader), args.gradient_accumulation_steps, args.num_train_epochs, args.max_train_steps)
 
@@ -227,22 +236,25 @@ def main(args):
         os.makedirs(args.output_dir, exist_ok=True)
     init_trackers(accelerator, args)
     total_batch_size = args.train_batch_size * accelerator.num_processes * args.gradient_accumulation_steps
+    # <domain: what this run trains>
     logger.info(f"{len(train_data)} training images, {len(labels)} classes, {accelerator.num_processes} process(es), "
                 f"batch {total_batch_size}, {max_train_steps} optimizer steps over {num_train_epochs} epochs")
+    # </domain>
 
     # From here on each process draws its own noise, timesteps and dropout (the models above were initialised alike
     # on every process); resuming restores every process's generators.
     set_seed(args.seed, device_specific=True)
 
-    # 6. Resume: state, the best validation metric so far (best_model/ is replaced only by a better one), then the
-    #    position in the epoch (the batches already seen are skipped, not replayed).
+    # 6. Resume: state, the best validation metric so far, then the position in the epoch (the batches already seen
+    #    are skipped, not replayed).
     global_step, first_epoch, skip_batches = 0, 0, 0
-    best_key, best_metric = f"best_eval_{args.metric_for_best_model}", None
     resume_path = resolve_resume(args.resume_from_checkpoint, args.output_dir)
     if resume_path:
         load_checkpoint(accelerator, resume_path)
         global_step = checkpoint_step(resume_path)
-        best_metric = read_checkpoint_info(resume_path).get(best_key)
+        # <domain: the best metric so far>
+        checkpoint_info[best_key] = read_checkpoint_info(resume_path).get(best_key)
+        # </domain>
         first_epoch, skip_batches = resume_position(global_step, steps_per_epoch, args.gradient_accumulation_steps,
                                                     max_train_steps)
         logger.info(f"resumed from {resume_path} at step {global_step}")
@@ -251,42 +263,47 @@ def main(args):
     progress = tqdm(total=max_train_steps, initial=global_step, desc="steps",
                     disable=not accelerator.is_local_main_process)
     start_time, start_step = time.time(), global_step
-    metrics, loss_sum, last_loss = {}, torch.zeros((), device=accelerator.device), None
+    loss_sum, last_loss, metrics = torch.zeros((), device=accelerator.device), None, {}
     skipped_steps = 0
     group_names = [group["name"] for group in optimizer.param_groups]
-
-    def evaluate_epoch(epoch):
+    # <domain: validation>
+    def validate(epoch):
         """Validation metrics (gather_for_metrics drops the padding duplicates); best_model/ when they are the best."""
-        nonlocal metrics, best_metric
+        nonlocal metrics
         metrics = evaluate(model, eval_dataloader, forward, accelerator)
         accelerator.log({f"eval/{k[5:]}": v for k, v in metrics.items()}, step=global_step)
         logger.info(f"epoch {epoch}: validation accuracy {metrics['eval_accuracy']:.4f}, "
                     f"macro-F1 {metrics['eval_f1']:.4f}")
-        current = metrics[f"eval_{args.metric_for_best_model}"]
-        if best_metric is None or current > best_metric:
-            best_metric = current
+        current, best = metrics[f"eval_{args.metric_for_best_model}"], checkpoint_info[best_key]
+        if best is None or current > best:
+            checkpoint_info[best_key] = current
             save_model(accelerator, model, processor, tokenizer, os.path.join(args.output_dir, "best_model"))
-
+    # </domain>
     try:
+        # <domain: the validation a resumed run owes>
         if resume_path and not skip_batches:  # a checkpoint of an epoch's last step was saved before its evaluation
-            evaluate_epoch(first_epoch - 1)
+            validate(first_epoch - 1)
+        # </domain>
         for epoch in range(first_epoch, num_train_epochs):
-            model.train()
+            for model in models:
+                model.train()
             train_dataloader.set_epoch(epoch)  # shuffling order and augmentations: functions of (seed, epoch)
             train_data.set_epoch(epoch)
             loader = train_dataloader
             if epoch == first_epoch and skip_batches:
                 loader = accelerator.skip_first_batches(train_dataloader, skip_batches)
             for batch in loader:
-                with accelerator.accumulate(model):
+                with accelerator.accumulate(*models):
+                    # <domain: the loss>
                     logits = forward(batch)
-                    loss = F.cross_entropy(logits, batch["labels"])
+                    loss = torch.nn.functional.cross_entropy(logits, batch["labels"])
+                    # </domain>
                     accelerator.backward(loss)
                     loss_sum += loss.detach() / args.gradient_accumulation_steps
                     if accelerator.sync_gradients:  # NaN/inf: stop before the update, or skip it (a flag)
                         update = finite_step(accelerator, loss_sum, global_step + 1, args.skip_nonfinite_steps)
                         if update:
-                            accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                            accelerator.clip_grad_norm_(trained_params, args.max_grad_norm)
                             optimizer.step()  # (between syncs accelerate's step does nothing: no call needed)
                     lr_scheduler.step()
                     optimizer.zero_grad(set_to_none=True)
@@ -297,44 +314,43 @@ def main(args):
                 progress.update(1)
                 if global_step % args.logging_steps == 0 or global_step == max_train_steps:
                     last_loss = accelerator.reduce(loss_sum, "mean").item()  # mean over processes, on logging steps
-                    acc = (logits.argmax(-1) == batch["labels"]).float().mean().item()
-                    logs = {"train/loss": last_loss, "train/batch_accuracy": acc, "epoch": epoch}
+                    logs = {"train/loss": last_loss, "epoch": epoch}
                     logs.update({f"lr/{name}": group["lr"] for name, group in zip(group_names, optimizer.param_groups)})
+                    # <domain: more to log>
+                    logs["train/batch_accuracy"] = (logits.argmax(-1) == batch["labels"]).float().mean().item()
+                    # </domain>
                     accelerator.log(logs, step=global_step)
-                    progress.set_postfix(loss=f"{last_loss:.4f}", acc=f"{acc:.3f}", f1=metrics.get("eval_f1"))
+                    progress.set_postfix(loss=f"{last_loss:.4f}")
                 loss_sum.zero_()
                 stop = preemption.should_stop(global_step)  # SIGTERM/SIGINT: all processes agree
                 if global_step % args.checkpointing_steps == 0 or stop:
                     checkpoint = save_checkpoint(accelerator, args.output_dir, global_step,
-                                                 args.checkpoints_total_limit, info={best_key: best_metric})
+                                                 args.checkpoints_total_limit, info=checkpoint_info)
                     if stop:  # the step is complete and saved: stop here
                         preemption.exit(checkpoint)
+                # 8. Validate: at each epoch's last step (and the run's), on the validation split; keep the best model.
+                # <domain: validation>
+                if global_step % steps_per_epoch == 0 or global_step >= max_train_steps:
+                    validate(epoch)
+                # </domain>
                 if global_step >= max_train_steps:
                     break
-
-            # 8. Evaluate every epoch on the validation split; keep the best model.
-            evaluate_epoch(epoch)
             if global_step >= max_train_steps:
                 break
 
-        # 9. Save: the final model in from_pretrained form, a model card and the run summary.
+        # 9. Save: the final model in from_pretrained form, test-split metrics, a model card and the run summary.
         accelerator.wait_for_everyone()
+        # <domain: the final model, its test-split metrics and its model card>
         save_model(accelerator, model, processor, tokenizer, args.output_dir)
         best_dir = os.path.join(args.output_dir, "best_model")
         test_metrics = {}
         if test_dataloader is not None:  # the final model, then best_model/ (its weights loaded into the model)
             test_metrics = evaluate(model, test_dataloader, forward, accelerator, prefix="test")
             if os.path.isdir(best_dir):
-                unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)
-                unwrapped.load_state_dict(type(unwrapped).from_pretrained(best_dir).state_dict())
+                best = type(unwrapped["model"]).from_pretrained(best_dir)
+                unwrapped["model"].load_state_dict(best.state_dict())
                 test_metrics.update(evaluate(model, test_dataloader, forward, accelerator, prefix="best_model_test"))
         if accelerator.is_main_process:
-            results = write_all_results(
-                args.output_dir, global_step=global_step, start_time=start_time, steps_run=global_step - start_step,
-                samples_per_step=total_batch_size, final_loss=last_loss, device=accelerator.device,
-                num_processes=accelerator.num_processes,
-                metrics={**metrics, best_key: best_metric, **test_metrics,
-                         "skipped_steps": skipped_steps})
             write_model_card(
                 args.output_dir, "Image classifier trained with train_classifier.py",
                 f"Trained on `{args.dataset_name or args.train_data_dir}` for {global_step} optimizer steps.",
@@ -347,7 +363,15 @@ def main(args):
                      f", test accuracy {test_metrics['best_model_test_accuracy']:.4f}"
                      if "best_model_test_accuracy" in test_metrics else "")},
                 usage_snippet(args))
+        metrics = {**metrics, best_key: checkpoint_info[best_key], **test_metrics}
+        # </domain>
+        if accelerator.is_main_process:
+            results = write_all_results(
+                args.output_dir, global_step=global_step, start_time=start_time, steps_run=global_step - start_step,
+                samples_per_step=total_batch_size, final_loss=last_loss, device=accelerator.device,
+                num_processes=accelerator.num_processes, metrics={**metrics, "skipped_steps": skipped_steps})
             logger.info(f"saved to {args.output_dir}: {results}")
+        accelerator.wait_for_everyone()
     finally:
         progress.close()
         accelerator.end_training()

@@ -41,8 +41,15 @@ from common.args import (
 )
 from common.checkpoints import resolve_resume
 from common.cli import UserError, first_line, run
-from common.diffusion import DEFAULT_GUIDANCE_SCALE, DEFAULT_INFERENCE_STEPS, DEFAULT_SCHEDULER, SCHEDULER_CLASSES
-from common.training import add_ema_args, check_resumed_ema
+from common.diffusion import (
+    DEFAULT_GUIDANCE_SCALE,
+    DEFAULT_INFERENCE_STEPS,
+    DEFAULT_SCHEDULER,
+    SCHEDULER_CLASSES,
+    diffusion_loss,
+    diffusion_target,
+)
+from common.training import add_ema_args, check_resumed_ema, ema_weights
 from common.unet_config import channel_list, check_unet_shape, pretrained_unet_config, unet_config_source
 
 
@@ -113,29 +120,13 @@ def main(args):
     import torch
     from accelerate import Accelerator
     from accelerate.logging import get_logger
-    from accelerate.utils import DataLoaderConfiguration, ProjectConfiguration, set_seed
+    from accelerate.utils import DataLoaderConfiguration, DistributedDataParallelKwargs, ProjectConfiguration, set_seed
     from tqdm.auto import tqdm
 
     from common.checkpoints import checkpoint_step, load_checkpoint, register_state_hooks, save_checkpoint
-    from common.classifier_metrics import ClassifierScorer
-    from common.image_data import (
-        ImageDataset,
-        collate_batch,
-        label_ids,
-        label_names,
-        load_image_dataset,
-        require_columns,
-    )
     from common.preemption import PreemptionGuard
     from common.reporting import init_trackers, log_with, write_all_results, write_model_card
-    from common.training import (
-        build_lr_scheduler,
-        build_param_groups,
-        ema_weights,
-        finite_step,
-        plan_steps,
-        resume_position,
-    )
+    from common.training import build_lr_scheduler, build_param_groups, finite_step, plan_steps, resume_position
 
     # 1. Accelerator: mixed precision from --mixed_precision, else from the accelerate config.
     accelerator = Accelerator(
@@ -145,6 +136,7 @@ def main(args):
         project_config=ProjectConfiguration(project_dir=args.output_dir,
                                             logging_dir=os.path.join(args.output_dir, args.logging_dir)),
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),  # same order on resume
+        kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=args.find_unused_parameters)],
     )
     logger = get_logger(__name__, log_level="INFO")
     set_seed(args.seed)
@@ -154,6 +146,16 @@ def main(args):
         torch.backends.cuda.matmul.allow_tf32 = True
 
     # 2. Data: images decoded once, scaled to [-1, 1]; class names -> ids (the null class is the id after the last).
+    # <domain: data>
+    from common.image_data import (
+        ImageDataset,
+        collate_batch,
+        label_ids,
+        label_names,
+        load_image_dataset,
+        require_columns,
+    )
+
     train_ds, eval_ds = load_image_dataset(args, carve_eval=args.eval_classifier is not None)  # eval: real images
     require_columns(train_ds, image_column=args.image_column,
                     **({"class_column": args.class_column} if args.class_column else {}))
@@ -168,17 +170,20 @@ def main(args):
     train_dataloader = torch.utils.data.DataLoader(
         train_data, batch_size=args.train_batch_size, shuffle=True, num_workers=args.dataloader_num_workers,
         collate_fn=collate_batch, generator=torch.Generator().manual_seed(args.seed))  # own RNG: the global one stays
+    # </domain>
 
     # 3. Model: a UNet2DModel from a config, from a pretrained UNet/pipeline, or the small default; the noise schedule.
+    # <domain: model>
     from diffusers import DDPMPipeline, DDPMScheduler, UNet2DModel  # here: a data mistake is reported seconds sooner
     from diffusers.training_utils import EMAModel
 
-    from common.diffusion import diffusion_loss, diffusion_target
+    from common.classifier_metrics import ClassifierScorer
 
     unet = build_unet(args, UNet2DModel, null_class + 1 if labels else None)
     noise_scheduler = DDPMScheduler(num_train_timesteps=args.ddpm_num_steps, beta_start=args.ddpm_beta_start,
                                     beta_end=args.ddpm_beta_end, beta_schedule=args.ddpm_beta_schedule,
                                     prediction_type=args.prediction_type)
+    trained = {"unet": unet}  # what trains, by checkpoint subfolder
     ema = None
     if args.use_ema:
         ema = EMAModel(unet.parameters(), decay=args.ema_max_decay, use_ema_warmup=True, inv_gamma=args.ema_inv_gamma,
@@ -191,11 +196,14 @@ def main(args):
         if accelerator.is_main_process:  # real images of the held-out split, at the training resolution
             real = ImageDataset(eval_ds.select(range(min(len(eval_ds), 2000))), args.image_column, args.resolution)
             real_features, _ = scorer(torch.stack([item["pixel_values"] for item in real]) / 2 + 0.5)
+    # </domain>
 
     # 4. Optimizer; warm-up -> cosine counted in optimizer steps.
+    # <domain: parameter groups>
+    param_groups = build_param_groups(unet, args.learning_rate, args.adam_weight_decay)
+    # </domain>
     # fused AdamW: one kernel for all parameters instead of a loop over tensors (timings: docs/performance.md).
-    optimizer = torch.optim.AdamW(build_param_groups(unet, args.learning_rate, args.adam_weight_decay),
-                                  betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon,
+    optimizer = torch.optim.AdamW(param_groups, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon,
                                   fused=accelerator.device.type in ("cpu", "cuda"))
     steps_per_epoch, max_train_steps, num_train_epochs = plan_steps(
         math.ceil(len(train_dataloader) / accelerator.num_processes), args.gradient_accumulation_steps,
@@ -205,8 +213,12 @@ def main(args):
 
     # 5. prepare, hooks (checkpoints hold unet/ and unet_ema/ in from_pretrained form, plus scheduler/ and
     #    labels.json so that sample.py reads a checkpoint directly), then the exact step counts.
-    unet, optimizer, train_dataloader, lr_scheduler = accelerator.prepare(unet, optimizer, train_dataloader,
-                                                                          lr_scheduler)
+    *models, optimizer, train_dataloader, lr_scheduler = accelerator.prepare(*trained.values(), optimizer,
+                                                                             train_dataloader, lr_scheduler)
+    unwrapped = {name: accelerator.unwrap_model(m, keep_torch_compile=False) for name, m in zip(trained, models)}
+    trained_params = [p for model in models for p in model.parameters() if p.requires_grad]  # what gets clipped
+    # <domain: the prepared models; what a checkpoint holds>
+    unet = models[0]
     if ema is not None:
         ema.to(accelerator.device)
 
@@ -221,8 +233,9 @@ def main(args):
             ema.load_state_dict(EMAModel.from_pretrained(os.path.join(folder, "unet_ema"), UNet2DModel).state_dict())
             ema.to(accelerator.device)
 
-    register_state_hooks(accelerator, {"unet": accelerator.unwrap_model(unet, keep_torch_compile=False)},
-                         extra_save=save_extra, extra_load=load_extra)
+    register_state_hooks(accelerator, unwrapped, extra_save=save_extra, extra_load=load_extra)
+    checkpoint_info = {}  # checkpoint_info.json: the step only
+    # </domain>
     steps_per_epoch, max_train_steps, num_train_epochs = plan_steps(
         len(train_dataloader), args.gradient_accumulation_steps, args.num_train_epochs, args.max_train_steps)
 
@@ -230,10 +243,12 @@ def main(args):
         os.makedirs(args.output_dir, exist_ok=True)
     init_trackers(accelerator, args)
     total_batch_size = args.train_batch_size * accelerator.num_processes * args.gradient_accumulation_steps
+    # <domain: what this run trains>
     logger.info(f"{len(train_data)} training images, {len(labels) or 'no'} classes, "
                 f"{sum(p.numel() for p in unet.parameters()) / 1e6:.2f} M parameters, "
                 f"{accelerator.num_processes} process(es), batch {total_batch_size}, "
                 f"{max_train_steps} optimizer steps over {num_train_epochs} epochs")
+    # </domain>
 
     # From here on each process draws its own noise, timesteps and dropout (the models above were initialised alike
     # on every process); resuming restores every process's generators.
@@ -249,26 +264,30 @@ def main(args):
                                                     max_train_steps)
         logger.info(f"resumed from {resume_path} at step {global_step}")
 
-    def validate():
-        return validation(accelerator, unet, ema, noise_scheduler, args, labels, scorer, scorer_ids, real_features,
-                          global_step)
-
     # 7. The loop: noise a clean batch at random timesteps, predict, MSE to the target.
     progress = tqdm(total=max_train_steps, initial=global_step, desc="steps",
                     disable=not accelerator.is_local_main_process)
     start_time, start_step = time.time(), global_step
-    metrics, loss_sum, last_loss = {}, torch.zeros((), device=accelerator.device), None
+    loss_sum, last_loss, metrics = torch.zeros((), device=accelerator.device), None, {}
     skipped_steps = 0
+    group_names = [group["name"] for group in optimizer.param_groups]
+    # <domain: validation>
+    def validate(step):  # a grid from the EMA weights; its scores with --eval_classifier
+        return validation_grid(accelerator, unet, ema, noise_scheduler, args, labels, scorer, scorer_ids,
+                               real_features, step)
+    # </domain>
     try:
         for epoch in range(first_epoch, num_train_epochs):
-            unet.train()
+            for model in models:
+                model.train()
             train_dataloader.set_epoch(epoch)  # shuffling order and augmentations: functions of (seed, epoch)
             train_data.set_epoch(epoch)
             loader = train_dataloader
             if epoch == first_epoch and skip_batches:
                 loader = accelerator.skip_first_batches(train_dataloader, skip_batches)
             for batch in loader:
-                with accelerator.accumulate(unet):
+                with accelerator.accumulate(*models):
+                    # <domain: the loss>
                     clean = batch["pixel_values"]
                     noise = torch.randn_like(clean)
                     timesteps = torch.randint(0, noise_scheduler.config.num_train_timesteps, (clean.shape[0],),
@@ -279,57 +298,60 @@ def main(args):
                     prediction = unet(noisy, timesteps, class_labels=class_labels).sample
                     target = diffusion_target(noise_scheduler, clean, noise, timesteps)
                     loss = diffusion_loss(prediction, target, noise_scheduler, timesteps, args.snr_gamma)
+                    # </domain>
                     accelerator.backward(loss)
                     loss_sum += loss.detach() / args.gradient_accumulation_steps
                     if accelerator.sync_gradients:  # NaN/inf: stop before the update, or skip it (a flag)
                         update = finite_step(accelerator, loss_sum, global_step + 1, args.skip_nonfinite_steps)
                         if update:
-                            accelerator.clip_grad_norm_(unet.parameters(), args.max_grad_norm)
+                            accelerator.clip_grad_norm_(trained_params, args.max_grad_norm)
                             optimizer.step()  # (between syncs accelerate's step does nothing: no call needed)
                     lr_scheduler.step()
                     optimizer.zero_grad(set_to_none=True)
                 if not accelerator.sync_gradients:
                     continue
+                # <domain: the EMA>
                 if ema is not None and update:  # real optimizer steps only
                     ema.step(unet.parameters())
+                # </domain>
                 global_step += 1
                 skipped_steps += not update
                 progress.update(1)
                 if global_step % args.logging_steps == 0 or global_step == max_train_steps:
                     last_loss = accelerator.reduce(loss_sum, "mean").item()  # mean over processes, on logging steps
-                    logs = {"train/loss": last_loss, "lr": lr_scheduler.get_last_lr()[0], "epoch": epoch}
+                    logs = {"train/loss": last_loss, "epoch": epoch}
+                    logs.update({f"lr/{name}": group["lr"] for name, group in zip(group_names, optimizer.param_groups)})
+                    # <domain: more to log>
                     if ema is not None:
                         logs["ema_decay"] = ema.cur_decay_value
+                    # </domain>
                     accelerator.log(logs, step=global_step)
                     progress.set_postfix(loss=f"{last_loss:.4f}")
                 loss_sum.zero_()
                 stop = preemption.should_stop(global_step)  # SIGTERM/SIGINT: all processes agree
                 if global_step % args.checkpointing_steps == 0 or stop:
                     checkpoint = save_checkpoint(accelerator, args.output_dir, global_step,
-                                                 args.checkpoints_total_limit)
-                    if stop:  # the step is complete and saved (EMA included): stop here
+                                                 args.checkpoints_total_limit, info=checkpoint_info)
+                    if stop:  # the step is complete and saved: stop here
                         preemption.exit(checkpoint)
+                # 8. Validate: a grid (and its scores) every --validation_steps (the final one: below).
+                # <domain: validation>
                 if global_step % args.validation_steps == 0 and global_step < max_train_steps:
-                    metrics = validate()
+                    metrics = validate(global_step)
+                # </domain>
                 if global_step >= max_train_steps:
                     break
             if global_step >= max_train_steps:
                 break
 
-        # 8. Validate with the final (EMA) weights; its metrics go into all_results.json.
-        metrics = validate()
-
         # 9. Save: a DDPMPipeline folder (EMA weights when --use_ema), labels.json, a model card and the run summary.
         accelerator.wait_for_everyone()
+        # <domain: the final validation (its metrics go into all_results.json), the pipeline and its model card>
+        metrics = validate(global_step)
         if accelerator.is_main_process:
-            model = accelerator.unwrap_model(unet, keep_torch_compile=False)
-            with ema_weights(ema, model):
-                DDPMPipeline(unet=model, scheduler=noise_scheduler).save_pretrained(args.output_dir)
+            with ema_weights(ema, unwrapped["unet"]):
+                DDPMPipeline(unet=unwrapped["unet"], scheduler=noise_scheduler).save_pretrained(args.output_dir)
             write_labels(args.output_dir, labels)
-            results = write_all_results(
-                args.output_dir, global_step=global_step, start_time=start_time, steps_run=global_step - start_step,
-                samples_per_step=total_batch_size, final_loss=last_loss, device=accelerator.device,
-                num_processes=accelerator.num_processes, metrics={**metrics, "skipped_steps": skipped_steps})
             write_model_card(
                 args.output_dir, "DDPM trained with train_ddpm.py",
                 f"Trained from scratch on `{args.dataset_name or args.train_data_dir}` for {global_step} optimizer "
@@ -341,6 +363,12 @@ def main(args):
                 + (f"# class-conditional (names in labels.json): python sample.py --model {args.output_dir} "
                    "--class_label all" if labels else "image = pipe(num_inference_steps=1000).images[0]"),
                 images=[f"samples/step-{global_step}.png"])
+        # </domain>
+        if accelerator.is_main_process:
+            results = write_all_results(
+                args.output_dir, global_step=global_step, start_time=start_time, steps_run=global_step - start_step,
+                samples_per_step=total_batch_size, final_loss=last_loss, device=accelerator.device,
+                num_processes=accelerator.num_processes, metrics={**metrics, "skipped_steps": skipped_steps})
             logger.info(f"saved to {args.output_dir}: {results}")
         accelerator.wait_for_everyone()
     finally:
@@ -390,7 +418,7 @@ def drop_class_labels(class_labels, null_class, prob):
     return class_labels.masked_fill(drop, null_class)
 
 
-def validation(accelerator, unet, ema, noise_scheduler, args, labels, scorer, scorer_ids, real_features, step):
+def validation_grid(accelerator, unet, ema, noise_scheduler, args, labels, scorer, scorer_ids, real_features, step):
     """On the main process (the others wait): a grid, a row per class, drawn with the EMA weights, logged and saved
     as samples/step-N.png; with --eval_classifier, sample accuracy and Fréchet distance. Returns the metrics."""
     import torch
@@ -398,7 +426,6 @@ def validation(accelerator, unet, ema, noise_scheduler, args, labels, scorer, sc
     from common.classifier_metrics import frechet_distance
     from common.diffusion import image_grid, sample_images, sampling_scheduler, to_pil
     from common.reporting import log_image
-    from common.training import ema_weights
 
     metrics = {}
     if accelerator.is_main_process:

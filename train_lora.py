@@ -31,6 +31,7 @@ Copy with: common/__init__.py, common/args.py, common/checkpoints.py, common/cli
 """  # noqa: E501 (the copy list stays one line, for grep)
 import math
 import os
+import random
 import time
 
 from common.args import (
@@ -46,8 +47,19 @@ from common.args import (
 )
 from common.checkpoints import read_checkpoint_info, resolve_resume
 from common.cli import UserError, first_line, run
-from common.diffusion import SCHEDULER_CLASSES, SD_SCHEDULER
-from common.stable_diffusion import SHIPPED_BASE, check_local_resolution, check_sd_pipeline, lora_dtypes
+from common.diffusion import SCHEDULER_CLASSES, SD_SCHEDULER, diffusion_loss, diffusion_target
+from common.stable_diffusion import (
+    SHIPPED_BASE,
+    base_resolution,
+    check_local_resolution,
+    check_sd_pipeline,
+    load_error,
+    load_lora_state,
+    lora_dtypes,
+    save_lora_state,
+    save_lora_weights,
+    validation_images,
+)
 
 UNET_TARGETS = "to_k,to_q,to_v,to_out.0"
 TEXT_ENCODER_TARGETS = ["q_proj", "k_proj", "v_proj", "out_proj"]
@@ -123,44 +135,16 @@ def parse_args(argv=None):
     return args
 
 
-def lora_info(args):
-    """What sample.py and a resumed run need to know about this LoRA (lora_info.json, checkpoint_info.json)."""
-    base = args.pretrained_model_name_or_path
-    return {"base_model": os.path.abspath(base) if os.path.isdir(base) else base, "revision": args.revision,
-            "variant": args.variant, "rank": args.rank, "lora_alpha": args.lora_alpha,
-            "target_modules": args.target_modules, "use_dora": args.use_dora,
-            "train_text_encoder": args.train_text_encoder, "prediction_type": args.prediction_type}
-
-
 def main(args):
-    import random
-
     import torch
     from accelerate import Accelerator
     from accelerate.logging import get_logger
-    from accelerate.utils import DataLoaderConfiguration, ProjectConfiguration, set_seed
+    from accelerate.utils import DataLoaderConfiguration, DistributedDataParallelKwargs, ProjectConfiguration, set_seed
     from tqdm.auto import tqdm
 
     from common.checkpoints import checkpoint_step, load_checkpoint, register_state_hooks, save_checkpoint
-    from common.diffusion import diffusion_loss, diffusion_target
-    from common.image_data import (
-        CachedLatents,
-        ImageDataset,
-        caption_lists,
-        collate_batch,
-        load_image_dataset,
-        require_columns,
-    )
     from common.preemption import PreemptionGuard
     from common.reporting import init_trackers, log_with, write_all_results, write_model_card
-    from common.stable_diffusion import (
-        base_resolution,
-        load_error,
-        load_lora_state,
-        save_lora_state,
-        save_lora_weights,
-        validate,
-    )
     from common.training import build_lr_scheduler, build_param_groups, finite_step, plan_steps, resume_position
 
     # 1. Accelerator: mixed precision from --mixed_precision, else from the accelerate config.
@@ -171,6 +155,7 @@ def main(args):
         project_config=ProjectConfiguration(project_dir=args.output_dir,
                                             logging_dir=os.path.join(args.output_dir, args.logging_dir)),
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),  # same order on resume
+        kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=args.find_unused_parameters)],
     )
     logger = get_logger(__name__, log_level="INFO")
     set_seed(args.seed)
@@ -178,10 +163,22 @@ def main(args):
     preemption = PreemptionGuard(accelerator, check_every=args.logging_steps)
     if args.allow_tf32:
         torch.backends.cuda.matmul.allow_tf32 = True
+    # <domain: weight dtypes>
     # Read the accelerator's precision, not the flag: an accelerate yaml may ask for fp16 too.
     weight_dtype, lora_dtype = lora_dtypes(accelerator.mixed_precision)
+    # </domain>
 
     # 2. Data: images decoded once; each image's captions as indices into the distinct prompts ("" for dropout).
+    # <domain: data>
+    from common.image_data import (
+        CachedLatents,
+        ImageDataset,
+        caption_lists,
+        collate_batch,
+        load_image_dataset,
+        require_columns,
+    )
+
     # The training size: the base's native one (its VAE's sample_size) unless given. Far below it, what the LoRA
     # learns shows little in images at the size the base samples at.
     args.resolution, native = base_resolution(args.pretrained_model_name_or_path, args.resolution, args.revision,
@@ -209,8 +206,10 @@ def main(args):
         train_data = ImageDataset(train_ds, args.image_column, args.resolution, center_crop=args.center_crop,
                                   random_flip=args.random_flip, columns={"index": torch.arange(len(train_ds))},
                                   seed=args.seed)
+    # </domain>
 
     # 3. Model: the base frozen in the weight dtype (the VAE in fp32: fp16 decodes overflow), LoRA adapters in fp32.
+    # <domain: model>
     from diffusers import AutoencoderKL, DDPMScheduler, UNet2DConditionModel
     from diffusers.models.attention_processor import AttnProcessor2_0
     from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
@@ -242,7 +241,7 @@ def main(args):
                                     use_dora=args.use_dora))
     except ValueError as err:  # e.g. a target that is not a Linear/Conv layer
         raise UserError(f"--target_modules: {first_line(err)}") from None
-    trained = {"unet": unet}
+    trained = {"unet": unet}  # what trains, by checkpoint subfolder
     if args.train_text_encoder:
         text_encoder.add_adapter(LoraConfig(r=args.rank, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
                                             init_lora_weights="gaussian", target_modules=TEXT_ENCODER_TARGETS,
@@ -280,13 +279,17 @@ def main(args):
     train_dataloader = torch.utils.data.DataLoader(
         train_data, batch_size=args.train_batch_size, shuffle=True, num_workers=args.dataloader_num_workers,
         collate_fn=collate_batch, generator=torch.Generator().manual_seed(args.seed))  # own RNG: the global one stays
+    # </domain>
 
     # 4. Optimizer on the LoRA weights (the text encoder's at its own LR); schedule counted in optimizer steps.
+    # <domain: parameter groups>
     lr_groups = {"text_encoder": args.text_encoder_lr or args.learning_rate} if args.train_text_encoder else {}
-    optimizer = torch.optim.AdamW(
-        build_param_groups(torch.nn.ModuleDict(trained), args.learning_rate, args.adam_weight_decay, lr_groups),
-        betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon,
-        fused=accelerator.device.type in ("cpu", "cuda"))  # one kernel for all parameters, not a loop over tensors
+    param_groups = build_param_groups(torch.nn.ModuleDict(trained), args.learning_rate, args.adam_weight_decay,
+                                      lr_groups)
+    # </domain>
+    # fused AdamW: one kernel for all parameters instead of a loop over tensors (timings: docs/performance.md).
+    optimizer = torch.optim.AdamW(param_groups, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon,
+                                  fused=accelerator.device.type in ("cpu", "cuda"))
     steps_per_epoch, max_train_steps, num_train_epochs = plan_steps(
         math.ceil(len(train_dataloader) / accelerator.num_processes), args.gradient_accumulation_steps,
         args.num_train_epochs, args.max_train_steps)
@@ -294,16 +297,20 @@ def main(args):
                                       accelerator.num_processes, args.lr_warmup_start_factor, args.lr_min)
 
     # 5. prepare, hooks (checkpoints hold the LoRA weights only, plus sample.py's files), then the exact step counts.
-    prepared = accelerator.prepare(*trained.values(), optimizer, train_dataloader, lr_scheduler)
-    models, (optimizer, train_dataloader, lr_scheduler) = prepared[:len(trained)], prepared[len(trained):]
+    *models, optimizer, train_dataloader, lr_scheduler = accelerator.prepare(*trained.values(), optimizer,
+                                                                             train_dataloader, lr_scheduler)
+    unwrapped = {name: accelerator.unwrap_model(m, keep_torch_compile=False) for name, m in zip(trained, models)}
+    trained_params = [p for model in models for p in model.parameters() if p.requires_grad]  # what gets clipped
+    # <domain: the prepared models; what a checkpoint holds>
     unet = models[0]
     if args.train_text_encoder:
         text_encoder = models[1]
     info = lora_info(args)
-    lora_models = {name: accelerator.unwrap_model(m, keep_torch_compile=False) for name, m in zip(trained, models)}
-    register_state_hooks(accelerator, lora_models, save_fn=save_lora_state,
+    checkpoint_info = info  # in checkpoint_info.json too: a resume checks its LoRA settings against them
+    register_state_hooks(accelerator, unwrapped, save_fn=save_lora_state,
                          load_fn=lambda model, path: load_lora_state(model, path, lora_dtype),
-                         extra_save=lambda folder: save_lora_weights(folder, lora_models, info))
+                         extra_save=lambda folder: save_lora_weights(folder, unwrapped, info))
+    # </domain>
     steps_per_epoch, max_train_steps, num_train_epochs = plan_steps(
         len(train_dataloader), args.gradient_accumulation_steps, args.num_train_epochs, args.max_train_steps)
 
@@ -311,10 +318,12 @@ def main(args):
         os.makedirs(args.output_dir, exist_ok=True)
     init_trackers(accelerator, args)
     total_batch_size = args.train_batch_size * accelerator.num_processes * args.gradient_accumulation_steps
+    # <domain: what this run trains>
     logger.info(f"{len(train_data)} training images at {args.resolution} px, {len(prompts) - 1} distinct captions, "
                 f"{num_trainable} LoRA parameters ({accelerator.mixed_precision} mixed precision: base {weight_dtype}, "
                 f"LoRA {lora_dtype}), {accelerator.num_processes} process(es), batch {total_batch_size}, "
                 f"{max_train_steps} optimizer steps over {num_train_epochs} epochs")
+    # </domain>
 
     # From here on each process draws its own noise, timesteps and dropout (the models above were initialised alike
     # on every process); resuming restores every process's generators.
@@ -334,12 +343,14 @@ def main(args):
     progress = tqdm(total=max_train_steps, initial=global_step, desc="steps",
                     disable=not accelerator.is_local_main_process)
     start_time, start_step = time.time(), global_step
-    loss_sum, last_loss, images = torch.zeros((), device=accelerator.device), None, []
+    loss_sum, last_loss, metrics = torch.zeros((), device=accelerator.device), None, {}
     skipped_steps = 0
     group_names = [group["name"] for group in optimizer.param_groups]
-    validation = dict(args=args, accelerator=accelerator, vae=vae, tokenizer=tokenizer, scheduler=noise_scheduler,
-                      unet=accelerator.unwrap_model(unet, keep_torch_compile=False),
-                      text_encoder=accelerator.unwrap_model(text_encoder, keep_torch_compile=False))
+    # <domain: validation>
+    def validate(step):  # images from the current LoRA
+        return validation_images(args, accelerator, vae, tokenizer, noise_scheduler, unwrapped["unet"],
+                                 accelerator.unwrap_model(text_encoder, keep_torch_compile=False), step)
+    # </domain>
     try:
         for epoch in range(first_epoch, num_train_epochs):
             for model in models:
@@ -351,6 +362,7 @@ def main(args):
                 loader = accelerator.skip_first_batches(train_dataloader, skip_batches)
             for batch in loader:
                 with accelerator.accumulate(*models):
+                    # <domain: the loss>
                     params = batch["latent_params"] if args.cache_latents else encode(batch["pixel_values"])
                     latents = sample_latents(params)
                     noise = torch.randn_like(latents)
@@ -367,12 +379,13 @@ def main(args):
                     target = diffusion_target(noise_scheduler, latents, noise, timesteps)
                     model_pred = unet(noisy_latents, timesteps, encoder_hidden_states, return_dict=False)[0]
                     loss = diffusion_loss(model_pred, target, noise_scheduler, timesteps, args.snr_gamma)
+                    # </domain>
                     accelerator.backward(loss)
                     loss_sum += loss.detach() / args.gradient_accumulation_steps
                     if accelerator.sync_gradients:  # NaN/inf: stop before the update, or skip it (a flag)
                         update = finite_step(accelerator, loss_sum, global_step + 1, args.skip_nonfinite_steps)
                         if update:
-                            accelerator.clip_grad_norm_(list(trainable.values()), args.max_grad_norm)
+                            accelerator.clip_grad_norm_(trained_params, args.max_grad_norm)
                             optimizer.step()  # (between syncs accelerate's step does nothing: no call needed)
                     lr_scheduler.step()
                     optimizer.zero_grad(set_to_none=True)
@@ -391,13 +404,15 @@ def main(args):
                 stop = preemption.should_stop(global_step)  # SIGTERM/SIGINT: all processes agree
                 if global_step % args.checkpointing_steps == 0 or stop:
                     checkpoint = save_checkpoint(accelerator, args.output_dir, global_step,
-                                                 args.checkpoints_total_limit, info=info)
+                                                 args.checkpoints_total_limit, info=checkpoint_info)
                     if stop:  # the step is complete and saved: stop here
                         preemption.exit(checkpoint)
-                # 8. Validate: images from the current LoRA, on the main process (the others wait).
+                # 8. Validate: images from the current LoRA every --validation_steps (the final ones: below).
+                # <domain: validation>
                 if (args.validation_prompt and global_step % args.validation_steps == 0
                         and global_step < max_train_steps):
-                    validate(**validation, step=global_step)
+                    validate(global_step)
+                # </domain>
                 if global_step >= max_train_steps:
                     break
             if global_step >= max_train_steps:
@@ -405,16 +420,10 @@ def main(args):
 
         # 9. Save: the LoRA in diffusers' format (+ kohya), final images, a model card and the run summary.
         accelerator.wait_for_everyone()
-        if args.validation_prompt:
-            images = validate(**validation, step=global_step)
+        # <domain: the final validation, the LoRA and its model card>
+        images = validate(global_step) if args.validation_prompt else []
         if accelerator.is_main_process:
-            save_lora_weights(args.output_dir, lora_models, info, kohya=args.export_kohya)
-            results = write_all_results(
-                args.output_dir, global_step=global_step, start_time=start_time, steps_run=global_step - start_step,
-                samples_per_step=total_batch_size, final_loss=last_loss, device=accelerator.device,
-                num_processes=accelerator.num_processes,
-                metrics={"trainable_parameters": num_trainable, "mixed_precision": accelerator.mixed_precision,
-                         "skipped_steps": skipped_steps, "resolution": args.resolution})
+            save_lora_weights(args.output_dir, unwrapped, info, kohya=args.export_kohya)
             base = args.pretrained_model_name_or_path
             write_model_card(
                 args.output_dir, f"LoRA for {base}",
@@ -432,12 +441,28 @@ def main(args):
                 f'pipe.load_lora_weights("{args.output_dir}")\n'
                 f'image = pipe("{(args.validation_prompt or [prompts[-1]])[0]}").images[0]',
                 images=[os.path.relpath(p, args.output_dir) for p in images])
-            logger.info(f"saved the LoRA to {args.output_dir}: {results}")
+        metrics = {"trainable_parameters": num_trainable, "mixed_precision": accelerator.mixed_precision,
+                   "resolution": args.resolution}
+        # </domain>
+        if accelerator.is_main_process:
+            results = write_all_results(
+                args.output_dir, global_step=global_step, start_time=start_time, steps_run=global_step - start_step,
+                samples_per_step=total_batch_size, final_loss=last_loss, device=accelerator.device,
+                num_processes=accelerator.num_processes, metrics={**metrics, "skipped_steps": skipped_steps})
+            logger.info(f"saved to {args.output_dir}: {results}")
+        accelerator.wait_for_everyone()
     finally:
         progress.close()
         accelerator.end_training()
 
 
+def lora_info(args):
+    """What sample.py and a resumed run need to know about this LoRA (lora_info.json, checkpoint_info.json)."""
+    base = args.pretrained_model_name_or_path
+    return {"base_model": os.path.abspath(base) if os.path.isdir(base) else base, "revision": args.revision,
+            "variant": args.variant, "rank": args.rank, "lora_alpha": args.lora_alpha,
+            "target_modules": args.target_modules, "use_dora": args.use_dora,
+            "train_text_encoder": args.train_text_encoder, "prediction_type": args.prediction_type}
 
 
 def check_target_modules(model, targets, flag, what):

@@ -26,6 +26,7 @@ Copy with: common/__init__.py, common/args.py, common/checkpoints.py, common/cli
 import json
 import math
 import os
+import random
 import time
 
 from common.args import (
@@ -41,9 +42,16 @@ from common.args import (
 )
 from common.checkpoints import resolve_resume
 from common.cli import UserError, run
-from common.diffusion import SCHEDULER_CLASSES, SD_SCHEDULER
-from common.stable_diffusion import SHIPPED_BASE, check_local_resolution, check_sd_pipeline
-from common.training import add_ema_args, check_resumed_ema
+from common.diffusion import SCHEDULER_CLASSES, SD_SCHEDULER, diffusion_loss, diffusion_target
+from common.stable_diffusion import (
+    SHIPPED_BASE,
+    base_resolution,
+    check_local_resolution,
+    check_sd_pipeline,
+    load_error,
+    validation_images,
+)
+from common.training import add_ema_args, check_resumed_ema, ema_weights
 
 
 def parse_args(argv=None):
@@ -96,67 +104,17 @@ def parse_args(argv=None):
     return args
 
 
-def read_unet_config(path):
-    """--unet_config: a json file or a folder holding config.json -> the config dict."""
-    file = os.path.join(path, "config.json") if os.path.isdir(path) else path
-    try:
-        with open(file) as f:
-            config = json.load(f)
-    except (OSError, ValueError) as err:
-        raise UserError(f"--unet_config: cannot read '{file}' ({type(err).__name__}); give a UNet2DConditionModel "
-                        "config.json (e.g. the unet/config.json of a pipeline)") from None
-    if not isinstance(config, dict) or "cross_attention_dim" not in config:
-        raise UserError(f"--unet_config: '{file}' is not a UNet2DConditionModel config (no cross_attention_dim)")
-    return config
-
-
-def check_unet_fits(config, base):
-    """A fresh UNet must take the base's latents and text embeddings; checked on the folder's configs before any
-    weight loads (for a hub base, once loaded)."""
-    checks = (("text_encoder", "hidden_size", "cross_attention_dim", "the text encoder's hidden size"),
-              ("vae", "latent_channels", "in_channels", "the VAE's latent channels"))
-    for part, key, unet_key, what in checks:
-        file = os.path.join(base, part, "config.json")
-        if not os.path.isfile(file):
-            continue
-        with open(file) as f:
-            want = json.load(f).get(key)
-        have = config.get(unet_key, 4 if unet_key == "in_channels" else None)
-        if want is not None and have != want:
-            raise UserError(f"--unet_config: {unet_key} is {have}, but {what} of '{base}' is {want}; "
-                            f"set \"{unet_key}\": {want} in the config")
-
-
 def main(args):
-    import random
-
     import torch
     from accelerate import Accelerator
     from accelerate.logging import get_logger
-    from accelerate.utils import DataLoaderConfiguration, ProjectConfiguration, set_seed
+    from accelerate.utils import DataLoaderConfiguration, DistributedDataParallelKwargs, ProjectConfiguration, set_seed
     from tqdm.auto import tqdm
 
     from common.checkpoints import checkpoint_step, load_checkpoint, register_state_hooks, save_checkpoint
-    from common.diffusion import diffusion_loss, diffusion_target
-    from common.image_data import (
-        CachedLatents,
-        ImageDataset,
-        caption_lists,
-        collate_batch,
-        load_image_dataset,
-        require_columns,
-    )
     from common.preemption import PreemptionGuard
     from common.reporting import init_trackers, log_with, write_all_results, write_model_card
-    from common.stable_diffusion import base_resolution, load_error, validate
-    from common.training import (
-        build_lr_scheduler,
-        build_param_groups,
-        ema_weights,
-        finite_step,
-        plan_steps,
-        resume_position,
-    )
+    from common.training import build_lr_scheduler, build_param_groups, finite_step, plan_steps, resume_position
 
     # 1. Accelerator: mixed precision from --mixed_precision, else from the accelerate config.
     accelerator = Accelerator(
@@ -166,6 +124,7 @@ def main(args):
         project_config=ProjectConfiguration(project_dir=args.output_dir,
                                             logging_dir=os.path.join(args.output_dir, args.logging_dir)),
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),  # same order on resume
+        kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=args.find_unused_parameters)],
     )
     logger = get_logger(__name__, log_level="INFO")
     set_seed(args.seed)
@@ -173,11 +132,23 @@ def main(args):
     preemption = PreemptionGuard(accelerator, check_every=args.logging_steps)
     if args.allow_tf32:
         torch.backends.cuda.matmul.allow_tf32 = True
+    # <domain: weight dtype>
     # Read the accelerator's precision, not the flag: an accelerate yaml may ask for fp16 too. The UNet trains in
     # fp32 (autocast computes in the low precision); the frozen text encoder is stored in it.
     weight_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(accelerator.mixed_precision, torch.float32)
+    # </domain>
 
     # 2. Data: images decoded once; each image's captions as indices into the distinct prompts ("" for dropout).
+    # <domain: data>
+    from common.image_data import (
+        CachedLatents,
+        ImageDataset,
+        caption_lists,
+        collate_batch,
+        load_image_dataset,
+        require_columns,
+    )
+
     args.resolution, _ = base_resolution(args.pretrained_model_name_or_path, args.resolution, args.revision,
                                          args.cache_dir)
     train_ds, _ = load_image_dataset(args, carve_eval=False)
@@ -199,8 +170,10 @@ def main(args):
         train_data = ImageDataset(train_ds, args.image_column, args.resolution, center_crop=args.center_crop,
                                   random_flip=args.random_flip, columns={"index": torch.arange(len(train_ds))},
                                   seed=args.seed)
+    # </domain>
 
     # 3. Model: VAE (fp32: fp16 decodes overflow) and text encoder frozen; the UNet trained in fp32; its EMA.
+    # <domain: model>
     from diffusers import AutoencoderKL, DDPMScheduler, StableDiffusionPipeline, UNet2DConditionModel
     from diffusers.models.attention_processor import AttnProcessor2_0
     from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
@@ -234,6 +207,7 @@ def main(args):
     unet.set_attn_processor(AttnProcessor2_0())  # PyTorch SDPA (flash / memory-efficient kernels where available)
     if args.gradient_checkpointing:
         unet.enable_gradient_checkpointing()
+    trained = {"unet": unet}  # what trains, by checkpoint subfolder
     ema = None
     if args.use_ema:
         ema = EMAModel(unet.parameters(), decay=args.ema_max_decay, use_ema_warmup=True, inv_gamma=args.ema_inv_gamma,
@@ -261,12 +235,15 @@ def main(args):
     train_dataloader = torch.utils.data.DataLoader(
         train_data, batch_size=args.train_batch_size, shuffle=True, num_workers=args.dataloader_num_workers,
         collate_fn=collate_batch, generator=torch.Generator().manual_seed(args.seed))  # own RNG: the global one stays
+    # </domain>
 
     # 4. Optimizer on the UNet; schedule counted in optimizer steps.
-    optimizer = torch.optim.AdamW(
-        build_param_groups(unet, args.learning_rate, args.adam_weight_decay),
-        betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon,
-        fused=accelerator.device.type in ("cpu", "cuda"))  # one kernel for all parameters: 3-4x the default loop
+    # <domain: parameter groups>
+    param_groups = build_param_groups(unet, args.learning_rate, args.adam_weight_decay)
+    # </domain>
+    # fused AdamW: one kernel for all parameters instead of a loop over tensors (timings: docs/performance.md).
+    optimizer = torch.optim.AdamW(param_groups, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon,
+                                  fused=accelerator.device.type in ("cpu", "cuda"))
     steps_per_epoch, max_train_steps, num_train_epochs = plan_steps(
         math.ceil(len(train_dataloader) / accelerator.num_processes), args.gradient_accumulation_steps,
         args.num_train_epochs, args.max_train_steps)
@@ -275,9 +252,12 @@ def main(args):
 
     # 5. prepare, hooks (checkpoints hold unet/ and unet_ema/ in from_pretrained form, plus scheduler/), then the
     #    exact step counts.
-    unet, optimizer, train_dataloader, lr_scheduler = accelerator.prepare(unet, optimizer, train_dataloader,
-                                                                          lr_scheduler)
-    models = [unet]
+    *models, optimizer, train_dataloader, lr_scheduler = accelerator.prepare(*trained.values(), optimizer,
+                                                                             train_dataloader, lr_scheduler)
+    unwrapped = {name: accelerator.unwrap_model(m, keep_torch_compile=False) for name, m in zip(trained, models)}
+    trained_params = [p for model in models for p in model.parameters() if p.requires_grad]  # what gets clipped
+    # <domain: the prepared models; what a checkpoint holds>
+    unet = models[0]
     if ema is not None:
         ema.to(accelerator.device)
 
@@ -292,8 +272,9 @@ def main(args):
                                                          UNet2DConditionModel).state_dict())
             ema.to(accelerator.device)
 
-    register_state_hooks(accelerator, {"unet": accelerator.unwrap_model(unet, keep_torch_compile=False)},
-                         extra_save=save_extra, extra_load=load_extra)
+    register_state_hooks(accelerator, unwrapped, extra_save=save_extra, extra_load=load_extra)
+    checkpoint_info = {}  # checkpoint_info.json: the step only
+    # </domain>
     steps_per_epoch, max_train_steps, num_train_epochs = plan_steps(
         len(train_dataloader), args.gradient_accumulation_steps, args.num_train_epochs, args.max_train_steps)
 
@@ -301,10 +282,12 @@ def main(args):
         os.makedirs(args.output_dir, exist_ok=True)
     init_trackers(accelerator, args)
     total_batch_size = args.train_batch_size * accelerator.num_processes * args.gradient_accumulation_steps
+    # <domain: what this run trains>
     logger.info(f"{len(train_data)} training images at {args.resolution} px, {len(prompts) - 1} distinct captions, "
                 f"{num_trainable} UNet parameters{' (fresh, from --unet_config)' * bool(args.unet_config)} "
                 f"({accelerator.mixed_precision} mixed precision), {accelerator.num_processes} process(es), batch "
                 f"{total_batch_size}, {max_train_steps} optimizer steps over {num_train_epochs} epochs")
+    # </domain>
 
     # From here on each process draws its own noise, timesteps and dropout (the models above were initialised alike
     # on every process); resuming restores every process's generators.
@@ -324,15 +307,15 @@ def main(args):
     progress = tqdm(total=max_train_steps, initial=global_step, desc="steps",
                     disable=not accelerator.is_local_main_process)
     start_time, start_step = time.time(), global_step
-    loss_sum, last_loss, images = torch.zeros((), device=accelerator.device), None, []
+    loss_sum, last_loss, metrics = torch.zeros((), device=accelerator.device), None, {}
     skipped_steps = 0
     group_names = [group["name"] for group in optimizer.param_groups]
-    trained_unet = accelerator.unwrap_model(unet, keep_torch_compile=False)
-
-    def validate_ema(step):  # validation images from the EMA weights (what gets exported)
-        with ema_weights(ema, trained_unet):
-            return validate(args, accelerator, vae, tokenizer, noise_scheduler, trained_unet, text_encoder, step)
-
+    # <domain: validation>
+    def validate(step):  # images from the EMA weights (what gets exported)
+        with ema_weights(ema, unwrapped["unet"]):
+            return validation_images(args, accelerator, vae, tokenizer, noise_scheduler, unwrapped["unet"],
+                                     text_encoder, step)
+    # </domain>
     try:
         for epoch in range(first_epoch, num_train_epochs):
             for model in models:
@@ -344,6 +327,7 @@ def main(args):
                 loader = accelerator.skip_first_batches(train_dataloader, skip_batches)
             for batch in loader:
                 with accelerator.accumulate(*models):
+                    # <domain: the loss>
                     params = batch["latent_params"] if args.cache_latents else encode(batch["pixel_values"])
                     latents = sample_latents(params)
                     noise = torch.randn_like(latents)
@@ -357,19 +341,22 @@ def main(args):
                     target = diffusion_target(noise_scheduler, latents, noise, timesteps)
                     model_pred = unet(noisy_latents, timesteps, encoder_hidden_states, return_dict=False)[0]
                     loss = diffusion_loss(model_pred, target, noise_scheduler, timesteps, args.snr_gamma)
+                    # </domain>
                     accelerator.backward(loss)
                     loss_sum += loss.detach() / args.gradient_accumulation_steps
                     if accelerator.sync_gradients:  # NaN/inf: stop before the update, or skip it (a flag)
                         update = finite_step(accelerator, loss_sum, global_step + 1, args.skip_nonfinite_steps)
                         if update:
-                            accelerator.clip_grad_norm_(unet.parameters(), args.max_grad_norm)
+                            accelerator.clip_grad_norm_(trained_params, args.max_grad_norm)
                             optimizer.step()  # (between syncs accelerate's step does nothing: no call needed)
                     lr_scheduler.step()
                     optimizer.zero_grad(set_to_none=True)
                 if not accelerator.sync_gradients:
                     continue
+                # <domain: the EMA>
                 if ema is not None and update:  # real optimizer steps only
                     ema.step(unet.parameters())
+                # </domain>
                 global_step += 1
                 skipped_steps += not update
                 progress.update(1)
@@ -377,21 +364,25 @@ def main(args):
                     last_loss = accelerator.reduce(loss_sum, "mean").item()  # mean over processes, on logging steps
                     logs = {"train/loss": last_loss, "epoch": epoch}
                     logs.update({f"lr/{name}": group["lr"] for name, group in zip(group_names, optimizer.param_groups)})
+                    # <domain: more to log>
                     if ema is not None:
                         logs["ema_decay"] = ema.cur_decay_value
+                    # </domain>
                     accelerator.log(logs, step=global_step)
                     progress.set_postfix(loss=f"{last_loss:.4f}")
                 loss_sum.zero_()
                 stop = preemption.should_stop(global_step)  # SIGTERM/SIGINT: all processes agree
                 if global_step % args.checkpointing_steps == 0 or stop:
                     checkpoint = save_checkpoint(accelerator, args.output_dir, global_step,
-                                                 args.checkpoints_total_limit)
-                    if stop:  # the step is complete and saved (EMA included): stop here
+                                                 args.checkpoints_total_limit, info=checkpoint_info)
+                    if stop:  # the step is complete and saved: stop here
                         preemption.exit(checkpoint)
-                # 8. Validate: images from the current (EMA) weights, on the main process (the others wait).
+                # 8. Validate: images from the (EMA) weights every --validation_steps (the final ones: below).
+                # <domain: validation>
                 if (args.validation_prompt and global_step % args.validation_steps == 0
                         and global_step < max_train_steps):
-                    validate_ema(global_step)
+                    validate(global_step)
+                # </domain>
                 if global_step >= max_train_steps:
                     break
             if global_step >= max_train_steps:
@@ -399,21 +390,15 @@ def main(args):
 
         # 9. Save: the whole pipeline with the (EMA) UNet and the training scheduler, a model card, the run summary.
         accelerator.wait_for_everyone()
-        if args.validation_prompt:
-            images = validate_ema(global_step)
+        # <domain: the final validation, the pipeline and its model card>
+        images = validate(global_step) if args.validation_prompt else []
         if accelerator.is_main_process:
-            with ema_weights(ema, trained_unet):
+            with ema_weights(ema, unwrapped["unet"]):
                 pipe = StableDiffusionPipeline(vae=vae, text_encoder=text_encoder.to(torch.float32),
-                                               tokenizer=tokenizer, unet=trained_unet, scheduler=noise_scheduler,
+                                               tokenizer=tokenizer, unet=unwrapped["unet"], scheduler=noise_scheduler,
                                                safety_checker=None, feature_extractor=None,
                                                requires_safety_checker=False)
                 pipe.save_pretrained(args.output_dir)
-            results = write_all_results(
-                args.output_dir, global_step=global_step, start_time=start_time, steps_run=global_step - start_step,
-                samples_per_step=total_batch_size, final_loss=last_loss, device=accelerator.device,
-                num_processes=accelerator.num_processes,
-                metrics={"trainable_parameters": num_trainable, "mixed_precision": accelerator.mixed_precision,
-                         "skipped_steps": skipped_steps, "resolution": args.resolution})
             base = args.pretrained_model_name_or_path
             write_model_card(
                 args.output_dir, "Stable Diffusion UNet trained with train_text_to_image.py",
@@ -429,10 +414,50 @@ def main(args):
                 f'pipe = StableDiffusionPipeline.from_pretrained("{args.output_dir}")\n'
                 f'image = pipe("{(args.validation_prompt or [prompts[-1]])[0]}").images[0]',
                 images=[os.path.relpath(p, args.output_dir) for p in images])
-            logger.info(f"saved the pipeline to {args.output_dir}: {results}")
+        metrics = {"trainable_parameters": num_trainable, "mixed_precision": accelerator.mixed_precision,
+                   "resolution": args.resolution}
+        # </domain>
+        if accelerator.is_main_process:
+            results = write_all_results(
+                args.output_dir, global_step=global_step, start_time=start_time, steps_run=global_step - start_step,
+                samples_per_step=total_batch_size, final_loss=last_loss, device=accelerator.device,
+                num_processes=accelerator.num_processes, metrics={**metrics, "skipped_steps": skipped_steps})
+            logger.info(f"saved to {args.output_dir}: {results}")
+        accelerator.wait_for_everyone()
     finally:
         progress.close()
         accelerator.end_training()
+
+
+def read_unet_config(path):
+    """--unet_config: a json file or a folder holding config.json -> the config dict."""
+    file = os.path.join(path, "config.json") if os.path.isdir(path) else path
+    try:
+        with open(file) as f:
+            config = json.load(f)
+    except (OSError, ValueError) as err:
+        raise UserError(f"--unet_config: cannot read '{file}' ({type(err).__name__}); give a UNet2DConditionModel "
+                        "config.json (e.g. the unet/config.json of a pipeline)") from None
+    if not isinstance(config, dict) or "cross_attention_dim" not in config:
+        raise UserError(f"--unet_config: '{file}' is not a UNet2DConditionModel config (no cross_attention_dim)")
+    return config
+
+
+def check_unet_fits(config, base):
+    """A fresh UNet must take the base's latents and text embeddings; checked on the folder's configs before any
+    weight loads (for a hub base, once loaded)."""
+    checks = (("text_encoder", "hidden_size", "cross_attention_dim", "the text encoder's hidden size"),
+              ("vae", "latent_channels", "in_channels", "the VAE's latent channels"))
+    for part, key, unet_key, what in checks:
+        file = os.path.join(base, part, "config.json")
+        if not os.path.isfile(file):
+            continue
+        with open(file) as f:
+            want = json.load(f).get(key)
+        have = config.get(unet_key, 4 if unet_key == "in_channels" else None)
+        if want is not None and have != want:
+            raise UserError(f"--unet_config: {unet_key} is {have}, but {what} of '{base}' is {want}; "
+                            f"set \"{unet_key}\": {want} in the config")
 
 
 if __name__ == "__main__":

@@ -126,6 +126,8 @@ def add_training_args(parser, *, output_dir, learning_rate, train_batch_size, nu
     g.add_argument("--mixed_precision", default=None, choices=MIXED_PRECISION,
                    help="Overrides the accelerate config's mixed precision.")
     g.add_argument("--allow_tf32", action="store_true", help="TF32 matmuls on Ampere+ GPUs.")
+    g.add_argument("--find_unused_parameters", action="store_true",
+                   help="DDP: for models with parameters that get no gradient in a step (unused branches).")
     g.add_argument("--skip_nonfinite_steps", action="store_true",
                    help="Skip an optimizer step whose loss is NaN/inf (logged) instead of stopping the run there "
                         "(its forward pass still ran: BatchNorm running statistics saw the batch).")

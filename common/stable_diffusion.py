@@ -252,7 +252,7 @@ def peft_to_kohya(state_dict, alpha, prefix, module_prefix=""):
     return kohya
 
 
-def validate(args, accelerator, vae, tokenizer, scheduler, unet, text_encoder, step):
+def validation_images(args, accelerator, vae, tokenizer, scheduler, unet, text_encoder, step):
     """Images of the validation prompts from the current weights (main process; the others wait), saved under
     samples/step-N/ and logged to the trackers (a row per prompt). The VAE decodes in fp32, outside autocast."""
     import torch
