@@ -14,7 +14,7 @@ Defaults suit a real base: --resolution is the base's native size (its VAE's sam
 Built-in demo (CPU, a few minutes): a style LoRA, "red ink on paper", on the tiny digits base shipped in
 assets/tiny-sd-digits (white-on-black digits only), then its measured effect and a side-by-side picture
 (demo/style_report.py); the Makefile passes the demo's data, --learning_rate 3e-3, --train_batch_size 16,
---max_train_steps 400 and LoRA on the convolutions and feed-forward layers too:
+--max_train_steps 400, --caption_dropout_prob 0.1 and LoRA on the convolutions and feed-forward layers too:
     make train-lora
 One GPU, Stable Diffusion 1.5 from the hub (at 512 px, its native size):
     accelerate launch --config_file accelerate_configs/single_gpu.yaml train_lora.py \
