@@ -106,7 +106,7 @@ LORA_PROMPTS := --prompt "a handwritten digit zero, red ink on paper" --prompt "
 train-lora: data
 	$(LAUNCH) $(if $(LAUNCH_ENV),--num_cpu_threads_per_process 1,) train_lora.py --output_dir $(LORA_OUT) \
 	  --cache_latents $(LORA_DEMO) $(ARGS)
-	OMP_NUM_THREADS=1 $(PY) $(if $(DEMO_LORA),-m demo.style_report --lora $(LORA_OUT),sample.py --model $(LORA_OUT) \
+	OMP_NUM_THREADS=$(if $(DEMO_LORA),2,1) $(PY) $(if $(DEMO_LORA),-m demo.style_report --lora $(LORA_OUT),sample.py --model $(LORA_OUT) \
 	  $(LORA_PROMPTS) --num_images 4)
 	@echo "LoRA: $(LORA_OUT)/pytorch_lora_weights.safetensors (lora_info.json, README.md, all_results.json)"
 	@echo "validation images: $(LORA_OUT)/samples/step-*/$(if $(DEMO_LORA),   side by side: \
