@@ -32,7 +32,8 @@ def test_digits_imagefolder(digits):
     for split, count in (("train", 1437), ("test", 360)):
         rows = [json.loads(line) for line in (digits / split / "metadata.jsonl").read_text().splitlines()]
         assert len(rows) == count
-        assert set(rows[0]) == {"file_name", "label", "text"}
+        assert set(rows[0]) == {"file_name", "label", "text", "captions"}
+        assert all(len(r["captions"]) == 6 and all(c.startswith(r["text"]) for c in r["captions"]) for r in rows)
         assert {r["label"] for r in rows} == set(range(10))
         image = Image.open(digits / split / rows[0]["file_name"])
         assert image.mode == "RGB" and image.size == (32, 32)
@@ -40,6 +41,23 @@ def test_digits_imagefolder(digits):
               for c in range(10)]
     assert max(counts) - min(counts) <= 2  # stratified
     assert rows[0]["text"].startswith("a handwritten digit ")
+
+
+def test_red_ink_copy_is_the_same_digits_restyled(tmp_path):
+    from demo.digit_eval import in_style
+    from demo.digits import write_digits
+
+    write_digits(str(tmp_path / "plain"), styled_dir=str(tmp_path / "red"))
+    plain = [json.loads(line) for line in (tmp_path / "plain/train/metadata.jsonl").read_text().splitlines()]
+    red = [json.loads(line) for line in (tmp_path / "red/train/metadata.jsonl").read_text().splitlines()]
+    assert [r["file_name"] for r in red] == [r["file_name"] for r in plain]
+    assert all(r["text"] == p["text"] + ", red ink on paper" for r, p in zip(red, plain))
+
+    def load(folder, rows):
+        return torch.stack([torch.from_numpy(np.array(Image.open(tmp_path / folder / "train" / r["file_name"])))
+                            for r in rows[:50]]).permute(0, 3, 1, 2).float() / 255
+
+    assert in_style(load("red", red)).all() and not in_style(load("plain", plain)).any()
 
 
 def _data_args(**kw):
