@@ -25,7 +25,7 @@ from common.args import (
     positive_float,
     positive_int,
 )
-from common.cli import UserError, first_line, one_line, run
+from common.cli import UserError, first_line, one_line, quiet_loading_bars, run
 from common.diffusion import DEFAULT_SCHEDULER, SCHEDULER_CLASSES, SD_GUIDANCE_SCALE, SD_INFERENCE_STEPS, SD_SCHEDULER
 from common.pipelines import class_label_ids, model_kind, read_labels
 
@@ -115,6 +115,8 @@ def sample_ddpm(args):
     from diffusers import DDPMScheduler, UNet2DModel
     from diffusers.utils import logging as diffusers_logging
 
+    quiet_loading_bars(["diffusers"])
+
     from common.diffusion import (
         DEFAULT_GUIDANCE_SCALE,
         DEFAULT_INFERENCE_STEPS,
@@ -192,6 +194,8 @@ def sample_sd(args):
     from diffusers import AutoencoderKL, StableDiffusionPipeline
     from diffusers.utils import logging as diffusers_logging
     from transformers.utils import logging as transformers_logging
+
+    quiet_loading_bars()
 
     from common.diffusion import sampling_scheduler
 

@@ -38,7 +38,7 @@ from common.args import (
     positive_int,
 )
 from common.checkpoints import read_checkpoint_info, resolve_resume
-from common.cli import UserError, first_line, run
+from common.cli import UserError, first_line, quiet_loading_bars, run
 from common.training import parse_lr_groups
 
 
@@ -149,6 +149,8 @@ def main(args):
     # <domain: model>
     from transformers import AutoImageProcessor, AutoModelForImageClassification, ResNetConfig, ResNetModel
     from transformers.models.vit.image_processing_pil_vit import ViTImageProcessorPil
+
+    quiet_loading_bars(["transformers"])
 
     id2label = dict(enumerate(labels))
     mean = std = [0.5, 0.5, 0.5]

@@ -40,7 +40,7 @@ from common.args import (
     probability,
 )
 from common.checkpoints import resolve_resume
-from common.cli import UserError, first_line, run
+from common.cli import UserError, first_line, quiet_loading_bars, run
 from common.diffusion import (
     DEFAULT_GUIDANCE_SCALE,
     DEFAULT_INFERENCE_STEPS,
@@ -178,6 +178,8 @@ def main(args):
     from diffusers.training_utils import EMAModel
 
     from common.classifier_metrics import ClassifierScorer
+
+    quiet_loading_bars(["diffusers"])
 
     unet = build_unet(args, UNet2DModel, null_class + 1 if labels else None)
     noise_scheduler = DDPMScheduler(num_train_timesteps=args.ddpm_num_steps, beta_start=args.ddpm_beta_start,

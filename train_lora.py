@@ -46,7 +46,7 @@ from common.args import (
     probability,
 )
 from common.checkpoints import read_checkpoint_info, resolve_resume
-from common.cli import UserError, first_line, run
+from common.cli import UserError, first_line, quiet_loading_bars, run
 from common.diffusion import SCHEDULER_CLASSES, SD_SCHEDULER, diffusion_loss, diffusion_target
 from common.stable_diffusion import (
     SHIPPED_BASE,
@@ -217,6 +217,7 @@ def main(args):
     from peft import LoraConfig
     from transformers import CLIPTextModel, CLIPTokenizer
 
+    quiet_loading_bars()
     path, load = args.pretrained_model_name_or_path, {"revision": args.revision, "cache_dir": args.cache_dir}
     try:
         noise_scheduler = DDPMScheduler.from_pretrained(path, subfolder="scheduler", **load)

@@ -38,17 +38,21 @@ def quiet_libraries():
     logging.getLogger("diffusers.loaders.lora_base").addFilter(_DropMessages("No LoRA keys associated to"))
 
 
-def quiet_loading_bars():
+def quiet_loading_bars(libraries=("diffusers", "transformers")):
     """No tqdm bar for every local load or save of a model (diffusers' "Loading pipeline components", transformers'
     "Loading weights" and "Writing model shards"), so that the run's own progress bar stays readable; downloads from
-    the hub keep theirs. Imports torch: call it once the flags are parsed, never before --help."""
-    from diffusers.utils import logging as diffusers_logging
+    the hub keep theirs. Imports the libraries: call it where a script imports them anyway."""
     from huggingface_hub.utils import enable_progress_bars
-    from transformers.utils import logging as transformers_logging
 
-    diffusers_logging.disable_progress_bar()
-    transformers_logging.disable_progress_bar()
-    enable_progress_bars()  # (transformers' switch turns the hub's off too)
+    if "diffusers" in libraries:
+        from diffusers.utils import logging as diffusers_logging
+
+        diffusers_logging.disable_progress_bar()
+    if "transformers" in libraries:
+        from transformers.utils import logging as transformers_logging
+
+        transformers_logging.disable_progress_bar()
+        enable_progress_bars()  # (transformers' switch turns the hub's off too)
 
 
 def run(main, parse_args, argv=None):
@@ -58,9 +62,7 @@ def run(main, parse_args, argv=None):
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     quiet_libraries()
     try:
-        args = parse_args(argv)
-        quiet_loading_bars()
-        main(args)
+        main(parse_args(argv))
     except UserError as err:
         _exit_with(_one_line(str(err)))
     except Exception as err:  # a full disk or a read-only folder is the user's to fix, not a bug: one line too
