@@ -85,19 +85,6 @@ def test_a_normal_run_prints_no_library_warnings(style_lora):
     assert not noisy, noisy[:5]
 
 
-def test_a_style_lora_learns_the_style_and_scale_0_is_the_base(style_lora):
-    from demo.digit_eval import in_style
-
-    base_images, _ = draw(pipeline(BASE), per_digit=2, style=True)
-    pipe = pipeline(BASE)
-    pipe.load_lora_weights(style_lora)
-    off, _ = draw(pipe, per_digit=2, style=True, lora_scale=0.0)
-    on, _ = draw(pipe, per_digit=2, style=True)
-    assert torch.equal(off, base_images)  # scale 0: exactly the base
-    assert in_style(base_images).float().mean() <= 0.1
-    assert in_style(on).float().mean() >= 0.6, in_style(on).float().mean()
-
-
 def test_load_lora_weights_and_kohya_give_the_trained_models_images(style_lora):
     # The final validation images come from the in-memory trained LoRA; the saved files must draw the same ones.
     from PIL import Image
@@ -121,13 +108,14 @@ def test_load_lora_weights_and_kohya_give_the_trained_models_images(style_lora):
 
 
 def test_the_style_report_measures_and_draws(style_lora):
-    proc = subprocess.run([sys.executable, "-m", "demo.style_report", "--lora", style_lora, "--per_digit", "1"],
+    # The short LoRA must really have learned the style (scale 0 equals the base: the sample.py sweep test below).
+    proc = subprocess.run([sys.executable, "-m", "demo.style_report", "--lora", style_lora, "--per_digit", "2"],
                           cwd=ROOT, env=offline_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = read_results(style_lora)
     sweep = results["style_eval"]["lora_scale_sweep"]
     assert [row["lora_scale"] for row in sweep] == [0.0, 0.5, 1.0]
-    assert results["style_rate_without_lora"] <= 0.1 < results["style_rate"]
+    assert results["style_rate_without_lora"] <= 0.1 and results["style_rate"] >= 0.6, results
     assert (style_lora / "side_by_side.png").is_file() and "style rate" in proc.stdout
 
 
@@ -138,10 +126,11 @@ def test_rebuild_with_tiny_step_counts_and_a_changed_file_is_refused(digits, tmp
     vae = subprocess.run([sys.executable, "-m", "demo.tiny_sd_base", "vae", "--data_dir", digits, "--output_dir",
                           work / "init", "--max_train_steps", "3"], cwd=ROOT, env=env, capture_output=True, text=True)
     assert vae.returncode == 0, vae.stderr[-3000:]
-    launch("train_text_to_image.py", "--pretrained_model_name_or_path", work / "init", "--unet_config",
-           work / "init" / "unet_config.json", "--train_data_dir", digits, "--caption_column", "captions",
-           "--max_train_samples", "32", "--train_batch_size", "8", "--max_train_steps", "2", "--use_ema",
-           "--report_to", "none", "--output_dir", work / "unet")
+    unet = run_script("train_text_to_image.py", "--pretrained_model_name_or_path", work / "init", "--unet_config",
+                      work / "init" / "unet_config.json", "--train_data_dir", digits, "--caption_column", "captions",
+                      "--max_train_samples", "32", "--train_batch_size", "8", "--max_train_steps", "2", "--use_ema",
+                      "--report_to", "none", "--output_dir", work / "unet")
+    assert unet.returncode == 0, unet.stderr[-3000:]
     finish = subprocess.run([sys.executable, "-m", "demo.tiny_sd_base", "finish", "--model", work / "unet", "--init",
                              work / "init", "--output_dir", shipped, "--per_digit", "1", "--min_accuracy", "0",
                              "--commands", "one ;; two"], cwd=ROOT, env=env, capture_output=True, text=True)
