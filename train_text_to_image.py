@@ -21,7 +21,7 @@ One GPU, Stable Diffusion 1.5 from the hub (full fine-tuning wants a large GPU; 
         --output_dir outputs/sd-naruto
 Then:  python sample.py --model outputs/sd-naruto --prompt "a girl with pink hair"
 
-Copy with: common/__init__.py, common/args.py, common/checkpoints.py, common/cli.py, common/diffusion.py, common/image_data.py, common/preemption.py, common/reporting.py, common/stable_diffusion.py, common/training.py
+Copy with: common/__init__.py, common/args.py, common/checkpoints.py, common/cli.py, common/diffusion.py, common/image_data.py, common/preemption.py, common/reporting.py, common/stable_diffusion.py, common/training.py, common/unet_config.py
 """  # noqa: E501 (the copy list stays one line, for grep)
 import json
 import math
@@ -52,6 +52,7 @@ from common.stable_diffusion import (
     validation_images,
 )
 from common.training import add_ema_args, check_resumed_ema, ema_weights
+from common.unet_config import read_json_config
 
 
 def parse_args(argv=None):
@@ -433,13 +434,8 @@ def main(args):
 def read_unet_config(path):
     """--unet_config: a json file or a folder holding config.json -> the config dict."""
     file = os.path.join(path, "config.json") if os.path.isdir(path) else path
-    try:
-        with open(file) as f:
-            config = json.load(f)
-    except (OSError, ValueError) as err:
-        raise UserError(f"--unet_config: cannot read '{file}' ({type(err).__name__}); give a UNet2DConditionModel "
-                        "config.json (e.g. the unet/config.json of a pipeline)") from None
-    if not isinstance(config, dict) or "cross_attention_dim" not in config:
+    config = read_json_config(file, "--unet_config")
+    if "cross_attention_dim" not in config:
         raise UserError(f"--unet_config: '{file}' is not a UNet2DConditionModel config (no cross_attention_dim)")
     return config
 

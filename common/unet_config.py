@@ -31,14 +31,19 @@ def unet_config_source(args):
         if not is_hub_id(path):
             raise UserError(f"--model_config_name_or_path: no UNet2DModel config at '{path}'")
         return None, source
+    return read_json_config(file, "--model_config_name_or_path"), source
+
+
+def read_json_config(file, flag):
+    """A model config file -> its dict; anything unreadable or not a json object is one line naming `flag`."""
     try:
         with open(file) as f:
             config = json.load(f)
     except (OSError, ValueError) as err:
-        raise UserError(f"--model_config_name_or_path: '{file}' is not a json config: {err}") from None
+        raise UserError(f"{flag}: '{file}' is not a json config: {err}") from None
     if not isinstance(config, dict):
-        raise UserError(f"--model_config_name_or_path: '{file}' is not a json object")
-    return config, source
+        raise UserError(f"{flag}: '{file}' is not a json object")
+    return config
 
 
 def pretrained_unet_config(path):
