@@ -1,6 +1,7 @@
 # Every target depends on `install`, so `make <anything>` works on a fresh machine.
 # CONFIG=  accelerate yaml (default: single_gpu.yaml when a GPU is visible, else cpu.yaml)
 # ARGS=    extra flags for the script        OUTPUT=  output folder
+# MAIN_PORT=  the port of a multi-process launch (accelerate's default: 29500)
 SHELL := /bin/bash
 # Let Python cache compiled modules in .venv: without .pyc files every process compiles diffusers/transformers
 # from source again (tens of seconds per process). The install skips compiling; the first run writes them.
@@ -17,7 +18,8 @@ CPU_MALLOC := MALLOC_MMAP_THRESHOLD_=33554432 MALLOC_TRIM_THRESHOLD_=268435456
 LAUNCH_ENV := $(if $(findstring cpu,$(notdir $(CONFIG))),ACCELERATE_USE_CPU=1 $(CPU_MALLOC),)
 # `accelerate launch` through common/launch.py: a script's one error line stays the last word (no launcher traceback),
 # and a Ctrl-C waits for the checkpoint the training processes write.
-LAUNCH := $(LAUNCH_ENV) $(PY) -m common.launch --config_file $(CONFIG)
+LAUNCH := $(LAUNCH_ENV) $(PY) -m common.launch --config_file $(CONFIG) \
+  $(if $(MAIN_PORT),--main_process_port $(MAIN_PORT),)
 ARGS ?=
 DIGITS := data/digits/train/metadata.jsonl
 
@@ -125,8 +127,10 @@ inspect: $(TINY_SD)
 lint: install
 	$(PY) -m ruff check .
 
+# Two test processes (pytest-xdist), one test module each at a time: most tests run one single-threaded subprocess.
+TEST_WORKERS ?= 2
 test: lint
-	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(PY) -m pytest -q tests $(ARGS)
+	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests $(ARGS)
 
 # Each recipe against a hand-written reference loop, --help latency, sample.py images/s (tests/benchmarks/):
 # one table, and outputs/bench/results.json. About 5 min on 2 CPU cores (3 repeats); BENCH_ARGS="--repeats 1" for a quick look.

@@ -2,6 +2,7 @@
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -22,11 +23,20 @@ def offline_env(**extra):
     return env
 
 
+def free_port():
+    """A TCP port nobody listens on now: each multi-process launch gets its own, so that tests running side by side
+    (pytest -n 2) do not meet on accelerate's default port."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def launch_command(script, *args, config="cpu.yaml", cwd=ROOT, launch_args=()):
     script = Path(script)
     script = script if script.is_absolute() else Path(cwd) / script
+    port = [] if "--main_process_port" in launch_args else ["--main_process_port", str(free_port())]
     return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS / config),
-            "--num_cpu_threads_per_process", "1", *launch_args, str(script), *map(str, args)]
+            "--num_cpu_threads_per_process", "1", *port, *launch_args, str(script), *map(str, args)]
 
 
 def launch(script, *args, config="cpu.yaml", cwd=ROOT, env=None, timeout=900, check=True, launch_args=()):
