@@ -21,7 +21,7 @@ One GPU, Stable Diffusion 1.5 from the hub (full fine-tuning wants a large GPU; 
         --output_dir outputs/sd-naruto
 Then:  python sample.py --model outputs/sd-naruto --prompt "a girl with pink hair"
 
-Copy with: common/__init__.py, common/args.py, common/checkpoints.py, common/cli.py, common/diffusion.py, common/image_data.py, common/preemption.py, common/reporting.py, common/stable_diffusion.py, common/training.py, common/unet_config.py
+Copy with: common/__init__.py, common/args.py, common/buckets.py, common/checkpoints.py, common/cli.py, common/diffusion.py, common/image_data.py, common/preemption.py, common/reporting.py, common/stable_diffusion.py, common/training.py, common/unet_config.py, common/validation_loss.py
 """  # noqa: E501 (the copy list stays one line, for grep)
 import json
 import math
@@ -30,10 +30,12 @@ import random
 import time
 
 from common.args import (
+    add_bucket_args,
     add_checkpoint_args,
     add_data_args,
     add_logging_args,
     add_training_args,
+    check_bucket_args,
     check_common_args,
     make_parser,
     positive_float,
@@ -64,6 +66,7 @@ def parse_args(argv=None):
                    help="Train on the empty prompt this often (what classifier-free guidance needs).")
     g.add_argument("--cache_latents", action="store_true",
                    help="VAE-encode every image once (implies --center_crop; with --random_flip both orientations).")
+    add_bucket_args(g)
     g = parser.add_argument_group("model")
     g.add_argument("--pretrained_model_name_or_path", default=SHIPPED_BASE,
                    help="A StableDiffusionPipeline: hub id or folder (default: the shipped tiny digits base).")
@@ -95,7 +98,7 @@ def parse_args(argv=None):
     check_common_args(args)
     check_sd_pipeline(args.pretrained_model_name_or_path, "--pretrained_model_name_or_path")
     args.resolution = check_local_resolution(args.pretrained_model_name_or_path, args.resolution)
-    args.center_crop = args.center_crop or args.cache_latents  # one cached crop per image: the center one
+    check_bucket_args(args)
     if args.unet_config:
         args.unet_config = read_unet_config(args.unet_config)
         check_unet_fits(args.unet_config, args.pretrained_model_name_or_path)
@@ -141,21 +144,18 @@ def main(args):
 
     # 2. Data: images decoded once; each image's captions as indices into the distinct prompts ("" for dropout).
     # <domain: data>
-    from common.image_data import (
-        CachedLatents,
-        ImageDataset,
-        caption_lists,
-        collate_batch,
-        load_image_dataset,
-        require_columns,
-    )
+    from common.buckets import batching, bucket_images, validation_sizes
+    from common.image_data import CachedLatents, ImageDataset, caption_lists, collate_batch, require_columns
+    from common.stable_diffusion import size_factor
+    from common.validation_loss import HeldOutLoss, load_with_validation
 
     args.resolution, _ = base_resolution(args.pretrained_model_name_or_path, args.resolution, args.revision,
                                          args.cache_dir)
-    train_ds, _ = load_image_dataset(args, carve_eval=False)
+    train_ds, held_out_ds = load_with_validation(args)  # held out: --validation_split's images, for val/loss
     require_columns(train_ds, image_column=args.image_column, caption_column=args.caption_column)
     captions = caption_lists(train_ds[args.caption_column], args.caption_column)
-    prompts = sorted({c for options in captions for c in options} | {""})
+    held_out_captions = caption_lists(held_out_ds[args.caption_column], args.caption_column) if held_out_ds else []
+    prompts = sorted({c for options in captions + held_out_captions for c in options} | {""})
     prompt_id = {p: i for i, p in enumerate(prompts)}
     caption_ids = [[prompt_id[c] for c in options] for options in captions]
 
@@ -167,10 +167,17 @@ def main(args):
             picked.append(prompt_id[""] if rng.random() < args.caption_dropout_prob else rng.choice(caption_ids[index]))
         return torch.tensor(picked)
 
+    sizes = held_out_sizes = None  # --buckets auto: each image's (height, width)
+    if args.buckets == "auto":
+        sizes, held_out_sizes, table = bucket_images(args, train_ds, held_out_ds, size_factor(
+            args.pretrained_model_name_or_path, args.revision, args.cache_dir, args.unet_config))
+        logger.info(f"aspect-ratio buckets at {args.resolution} px:\n{table}")
     with accelerator.main_process_first():
         train_data = ImageDataset(train_ds, args.image_column, args.resolution, center_crop=args.center_crop,
                                   random_flip=args.random_flip, columns={"index": torch.arange(len(train_ds))},
-                                  seed=args.seed)
+                                  seed=args.seed, sizes=sizes)
+        held_out = None if held_out_ds is None else ImageDataset(
+            held_out_ds, args.image_column, args.resolution, center_crop=True, seed=args.seed, sizes=held_out_sizes)
     # </domain>
 
     # 3. Model: VAE (fp32: fp16 decodes overflow) and text encoder frozen; the UNet trained in fp32; its EMA.
@@ -231,12 +238,18 @@ def main(args):
         latents = DiagonalGaussianDistribution(params.float().contiguous()).sample()
         return (latents - (vae.config.shift_factor or 0.0)) * vae.config.scaling_factor
 
+    def embed(ids):  # prompt indices -> the text encoder's hidden states (computed once above)
+        return prompt_embeds[ids].to(accelerator.device)
+
+    held_out_loss = None if held_out is None else HeldOutLoss(
+        held_out, encode, vae.config, [prompt_id[c[0]] for c in held_out_captions],
+        noise_scheduler.config.num_train_timesteps, accelerator, args.seed, args.train_batch_size)
+    loader_batches = batching(sizes, args.train_batch_size, args.seed, train_data)  # one bucket each with --buckets
     if args.cache_latents:
         logger.info(f"caching the latents of {len(train_data)} images{' and their mirror images' * args.random_flip}")
         train_data = CachedLatents(train_data, encode, args.train_batch_size)
-    train_dataloader = torch.utils.data.DataLoader(
-        train_data, batch_size=args.train_batch_size, shuffle=True, num_workers=args.dataloader_num_workers,
-        collate_fn=collate_batch, generator=torch.Generator().manual_seed(args.seed))  # own RNG: the global one stays
+    train_dataloader = torch.utils.data.DataLoader(train_data, num_workers=args.dataloader_num_workers,
+                                                   collate_fn=collate_batch, **loader_batches)
     # </domain>
 
     # 4. Optimizer on the UNet; schedule counted in optimizer steps.
@@ -313,10 +326,21 @@ def main(args):
     skipped_steps = 0
     group_names = [group["name"] for group in optimizer.param_groups]
     # <domain: validation>
-    def validate(step):  # images from the EMA weights (what gets exported)
+    validation_losses = {}  # step -> val/loss (--validation_split)
+
+    def validate(step, images=True):  # the held-out loss and images of the EMA weights (what gets exported)
         with ema_weights(ema, unwrapped["unet"]):
+            if held_out_loss is not None:
+                validation_losses[step] = held_out_loss(unwrapped["unet"], embed, noise_scheduler)
+                accelerator.log({"val/loss": validation_losses[step]}, step=step)
+            if not (images and args.validation_prompt):
+                return []
             return validation_images(args, accelerator, vae, tokenizer, noise_scheduler, unwrapped["unet"],
-                                     text_encoder, step)
+                                     text_encoder, step, sizes=validation_sizes(sizes, args.resolution))
+
+    validating = held_out_loss is not None or args.validation_prompt
+    if held_out_loss is not None and global_step == 0:
+        validate(0, images=False)  # the held-out loss before training: where the curve starts
     # </domain>
     try:
         for epoch in range(first_epoch, num_train_epochs):
@@ -339,7 +363,7 @@ def main(args):
                                               device=latents.device)
                     noisy_latents = noise_scheduler.add_noise(latents, noise, timesteps)
                     prompt_index = pick_prompts(batch["index"], epoch)
-                    encoder_hidden_states = prompt_embeds[prompt_index].to(accelerator.device)
+                    encoder_hidden_states = embed(prompt_index)
                     target = diffusion_target(noise_scheduler, latents, noise, timesteps)
                     model_pred = unet(noisy_latents, timesteps, encoder_hidden_states, return_dict=False)[0]
                     loss = diffusion_loss(model_pred, target, noise_scheduler, timesteps, args.snr_gamma)
@@ -381,8 +405,7 @@ def main(args):
                         preemption.exit(checkpoint)
                 # 8. Validate: images from the (EMA) weights every --validation_steps (the final ones: below).
                 # <domain: validation>
-                if (args.validation_prompt and global_step % args.validation_steps == 0
-                        and global_step < max_train_steps):
+                if validating and global_step % args.validation_steps == 0 and global_step < max_train_steps:
                     validate(global_step)
                 # </domain>
                 if global_step >= max_train_steps:
@@ -393,7 +416,7 @@ def main(args):
         # 9. Save: the whole pipeline with the (EMA) UNet and the training scheduler, a model card, the run summary.
         accelerator.wait_for_everyone()
         # <domain: the final validation, the pipeline and its model card>
-        images = validate(global_step) if args.validation_prompt else []
+        images = validate(global_step) if validating else []
         if accelerator.is_main_process:
             with ema_weights(ema, unwrapped["unet"]):
                 pipe = StableDiffusionPipeline(vae=vae, text_encoder=text_encoder.to(torch.float32),
@@ -418,6 +441,8 @@ def main(args):
                 images=[os.path.relpath(p, args.output_dir) for p in images])
         metrics = {"trainable_parameters": num_trainable, "mixed_precision": accelerator.mixed_precision,
                    "resolution": args.resolution}
+        if validation_losses:
+            metrics.update(validation_loss=validation_losses[global_step], validation_losses=validation_losses)
         # </domain>
         if accelerator.is_main_process:
             results = write_all_results(

@@ -228,3 +228,36 @@ def check_model_folder(path, flag, required, what):
         raise UserError(f"{flag} '{path}' is a file; give {what} folder or a hub id")
     elif not is_hub_id(path):
         raise UserError(f"{flag} '{path}' does not exist (and is not a hub id owner/name)")
+
+
+def share_or_split(text):
+    """--validation_split: a share of the training images (0 < x < 1), or the name of one of the dataset's splits."""
+    try:
+        share = float(text)
+    except ValueError:
+        return text
+    if not 0 < share < 1:
+        raise argparse.ArgumentTypeError(f"{text} is not a share between 0 and 1 (or a split name such as 'test')")
+    return share
+
+
+def add_bucket_args(group):
+    """--buckets, --bucket_max_upscale and --validation_split of the Stable Diffusion trainers' data group."""
+    group.add_argument("--buckets", default="off", choices=["auto", "off"],
+                       help="auto: aspect-ratio buckets of about --resolution squared pixels instead of square crops; "
+                            "each image resized to the bucket nearest its shape, every batch from one bucket.")
+    group.add_argument("--bucket_max_upscale", type=positive_float, default=2.0,
+                       help="--buckets auto: an image its bucket would upscale by more than this is an error.")
+    group.add_argument("--validation_split", type=share_or_split, default=None,
+                       help="Hold out this share of the training images (e.g. 0.05), or name a split of the "
+                            "dataset: their denoising loss at fixed timesteps and noise is logged as val/loss every "
+                            "--validation_steps.")
+
+
+def check_bucket_args(args):
+    """--buckets auto crops each image to its bucket's shape, centered: --center_crop has nothing to do there. Without
+    buckets --cache_latents implies --center_crop (one cached crop per image)."""
+    if args.buckets == "auto" and args.center_crop:
+        raise UserError("--center_crop: with --buckets auto images are not cropped square but to their bucket's "
+                        "shape (centered); drop --center_crop")
+    args.center_crop = args.center_crop or (args.cache_latents and args.buckets == "off")

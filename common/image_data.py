@@ -7,6 +7,7 @@ never skipped silently (a skipped image would change the data and its labels wit
 cache, before training starts. CachedLatents (--cache_latents of the Stable Diffusion trainers) holds each image's
 VAE latent distribution instead of its pixels.
 """
+import contextlib
 import io
 import logging
 
@@ -123,17 +124,47 @@ def _open(value):
 
 
 def decode_image(value, resolution, index=None):
-    """A datasets Image value -> uint8 tensor [3, H, W] with min(H, W) == resolution. A file that PIL cannot decode
+    """A datasets Image value -> uint8 tensor [3, H, W]: with an int `resolution` min(H, W) == resolution; with a
+    (height, width) bucket, resized to cover it and center-cropped to it. A file that PIL cannot decode
     (corrupt, truncated, not an image, an unconvertible mode) is a one-line error naming it and what to do."""
-    try:
+    with readable(value, index):
         image = _open(value)
-        return resize_shorter_side(image, resolution)
+        if isinstance(resolution, int):
+            return resize_shorter_side(image, resolution)
+        return resize_to_bucket(image, resolution)
+
+
+def image_name(value, index=None):
+    """How an error names an image: its path, else its row."""
+    name = value.get("path") if isinstance(value, dict) else None
+    return f"'{name}'" if name else f"at row {index} of the dataset" if index is not None else "(in memory)"
+
+
+@contextlib.contextmanager
+def readable(value, index=None):
+    """PIL's errors while reading image `value` -> one line naming it (images are never skipped)."""
+    try:
+        yield
     except (UnidentifiedImageError, OSError, SyntaxError, ValueError, EOFError, Image.DecompressionBombError) as err:
-        name = value.get("path") if isinstance(value, dict) else None
-        where = f"'{name}'" if name else f"at row {index} of the dataset" if index is not None else "(in memory)"
-        reason = one_line(err, 200)
-        raise UserError(f"cannot read image {where}: {reason}; delete or replace that file (images are never "
-                        "skipped)") from None
+        raise UserError(f"cannot read image {image_name(value, index)}: {one_line(err, 200)}; delete or replace that "
+                        "file (images are never skipped)") from None
+
+
+def image_sizes(dataset, image_column):
+    """(height, width) of every image of a `datasets.Dataset`, from the file headers (nothing decoded)."""
+    import datasets
+
+    values = dataset.cast_column(image_column, datasets.Image(decode=False))[image_column]
+    sizes = []
+    for index, value in enumerate(values):
+        with readable(value, index):
+            if isinstance(value, Image.Image):
+                sizes.append(value.size[::-1])
+                continue
+            path, data = value.get("path"), value.get("bytes")
+            with Image.open(io.BytesIO(data) if data is not None else path) as image:
+                sizes.append(image.size[::-1])
+    return sizes, [image_name(value, index) for index, value in enumerate(values)]
 
 
 def resize_shorter_side(image, resolution):
@@ -144,6 +175,24 @@ def resize_shorter_side(image, resolution):
     size = (max(resolution, round(w * scale)), max(resolution, round(h * scale)))
     if size != image.size:
         image = image.resize(size, Image.BILINEAR)
+    return torch.from_numpy(np.asarray(image).copy()).permute(2, 0, 1)
+
+
+def cover_size(size, bucket):
+    """(height, width) an image of `size` is resized to so that it covers `bucket` with its own aspect ratio."""
+    (h, w), (bh, bw) = size, bucket
+    scale = max(bh / h, bw / w)
+    return max(bh, round(h * scale)), max(bw, round(w * scale))
+
+
+def resize_to_bucket(image, bucket):
+    """PIL image -> uint8 tensor [3, h, w] of `bucket` (h, w): resized to cover it, the excess cropped evenly."""
+    image = to_rgb(image)
+    (bh, bw), (h, w) = bucket, cover_size(image.size[::-1], bucket)
+    if (w, h) != image.size:
+        image = image.resize((w, h), Image.BILINEAR)
+    top, left = (h - bh) // 2, (w - bw) // 2
+    image = image.crop((left, top, left + bw, top + bh))
     return torch.from_numpy(np.asarray(image).copy()).permute(2, 0, 1)
 
 
@@ -159,18 +208,21 @@ class ImageDataset(torch.utils.data.Dataset):
     """Items: {"pixel_values": float [3, R, R] normalized, plus `name: values[index]` for each of `columns`}.
 
     columns: {name: a list or tensor with one entry per image} (labels, token ids, captions...).
+    sizes: aspect-ratio buckets, the (height, width) of every image (common/buckets.py), instead of R x R crops; each
+    image is resized to cover its bucket and center-cropped to it once, when decoded.
     Random crops and flips are drawn from (seed, epoch, index), not from the global RNG: the dataloader fetches
     ahead of the step, so global draws made here would differ between an uninterrupted and a resumed run.
     Call `set_epoch` at the start of every epoch.
     """
 
     def __init__(self, dataset, image_column, resolution, center_crop=True, random_flip=False,
-                 mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5), columns=None, seed=0, cache_limit_gb=4.0):
+                 mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5), columns=None, seed=0, cache_limit_gb=4.0, sizes=None):
         import datasets
 
         self.images = dataset.cast_column(image_column, datasets.Image(decode=False))[image_column]
         self.columns = columns or {}
         self.resolution, self.center_crop, self.random_flip = resolution, center_crop, random_flip
+        self.sizes = sizes
         # uint8 -> float: x * scale + shift, i.e. (x / 255 - mean) / std (a multiply is cheaper than a divide)
         self.scale = 1 / (torch.tensor(std, dtype=torch.float32).view(3, 1, 1) * 255)
         self.shift = -torch.tensor(mean, dtype=torch.float32).view(3, 1, 1) / torch.tensor(std).view(3, 1, 1)
@@ -178,10 +230,18 @@ class ImageDataset(torch.utils.data.Dataset):
         self.cache = None
         if len(self.images) * 3 * resolution * resolution <= cache_limit_gb * 2**30:
             values = self.images[:]  # the whole column in one read (row by row is far slower)
-            self.cache = stack_if_uniform([decode_image(value, resolution, i) for i, value in enumerate(values)])
+            self.cache = stack_if_uniform([decode_image(value, self.target(i), i) for i, value in enumerate(values)])
+
+    def target(self, index):
+        """Item `index`'s training size: its bucket, else the resolution (an int: square crops)."""
+        return tuple(self.sizes[index]) if self.sizes is not None else self.resolution
+
+    def crop_size(self, index):
+        """(height, width) of item `index` as trained: its bucket, else R x R."""
+        return tuple(self.sizes[index]) if self.sizes is not None else (self.resolution, self.resolution)
 
     def _decode(self, index):
-        return decode_image(self.images[index], self.resolution, index)
+        return decode_image(self.images[index], self.target(index), index)
 
     def set_epoch(self, epoch):
         self.epoch = epoch
@@ -189,33 +249,32 @@ class ImageDataset(torch.utils.data.Dataset):
     def augmentation(self, index, h, w):
         """(top, left, flip) of item `index` (an h x w image) in the current epoch: 64 random bits hashed from
         (seed, epoch, index): cheaper than a torch.Generator per item (timings: docs/performance.md)."""
-        r = self.resolution
+        rh, rw = self.crop_size(index)
         bits = splitmix64(splitmix64(splitmix64(self.seed) ^ self.epoch) ^ index)
         if self.center_crop:
-            top, left = (h - r) // 2, (w - r) // 2
+            top, left = (h - rh) // 2, (w - rw) // 2
         else:
-            top, left = bits % (h - r + 1), (bits >> 24) % (w - r + 1)
+            top, left = bits % (h - rh + 1), (bits >> 24) % (w - rw + 1)
         return top, left, bool(self.random_flip and bits >> 63)
 
-    def fixed_crop(self, h, w):
-        """(top, left) of every h x w image when nothing is drawn (no flips; the center crop, or all of an R x R
-        image), else None: then each item's crop and flip come from `augmentation`."""
-        r = self.resolution
-        if self.random_flip or not (self.center_crop or h == w == r):
+    def fixed_crop(self, h, w, rh, rw):
+        """(top, left) of every h x w image cropped to rh x rw when nothing is drawn (no flips; the center crop, or
+        all of the image), else None: then each item's crop and flip come from `augmentation`."""
+        if self.random_flip or not (self.center_crop or (h, w) == (rh, rw)):
             return None
-        return (h - r) // 2, (w - r) // 2
+        return (h - rh) // 2, (w - rw) // 2
 
     def __len__(self):
         return len(self.images)
 
     def crop(self, index):
-        """Item `index` as uint8 [3, R, R], cropped and flipped for the current epoch."""
+        """Item `index` as uint8 [3, R, R] (or its bucket's size), cropped and flipped for the current epoch."""
         pixels = self.cache[index] if self.cache is not None else self._decode(index)
-        r = self.resolution
+        rh, rw = self.crop_size(index)
         _, h, w = pixels.shape
-        fixed = self.fixed_crop(h, w)
+        fixed = self.fixed_crop(h, w, rh, rw)
         top, left, flip = (*fixed, False) if fixed else self.augmentation(index, h, w)
-        pixels = pixels[:, top:top + r, left:left + r]
+        pixels = pixels[:, top:top + rh, left:left + rw]
         return pixels.flip(-1) if flip else pixels
 
     def item(self, index, pixel_values):
@@ -237,11 +296,11 @@ class ImageDataset(torch.utils.data.Dataset):
         image. When nothing is drawn (no flips; center crops, or images already R x R) and the decoded images share
         one size, the pixels are one index_select of the cache too (timings: docs/performance.md)."""
         index = torch.as_tensor(indices)
-        r = self.resolution
-        fixed = self.fixed_crop(*self.cache.shape[-2:]) if isinstance(self.cache, torch.Tensor) else None
+        rh, rw = self.crop_size(indices[0])  # a batch is one size (one bucket)
+        fixed = self.fixed_crop(*self.cache.shape[-2:], rh, rw) if isinstance(self.cache, torch.Tensor) else None
         if fixed:
             top, left = fixed
-            pixels = self.cache.index_select(0, index)[:, :, top:top + r, left:left + r]
+            pixels = self.cache.index_select(0, index)[:, :, top:top + rh, left:left + rw]
         else:
             pixels = torch.stack([self.crop(i) for i in indices])
         return {"pixel_values": self.normalize(pixels),
@@ -274,27 +333,35 @@ def collate_batch(batch):
 
 
 class CachedLatents:
-    """A dataset over an ImageDataset (center crop): each image's latent-distribution parameters (mean, log-variance;
-    latents are still sampled every step), and its mirror image's with random_flip.
+    """A dataset over an ImageDataset (center crop, or buckets): each image's latent-distribution parameters (mean,
+    log-variance; latents are still sampled every step), and its mirror image's with random_flip.
 
     Items {"latent_params", "index"}; the flip of each item is drawn exactly as ImageDataset draws it (same seed,
-    epoch and index), so a cached run sees the same data as an uncached one. encode(pixels) -> parameters.
+    epoch and index), so a cached run sees the same data as an uncached one. encode(pixels) -> parameters; images
+    are encoded `batch_size` at a time, a bucket at a time.
     """
 
     def __init__(self, images, encode, batch_size):
         import torch
 
-        self.images, r = images, images.resolution
-        params = []
-        for start in range(0, len(images), batch_size):
-            pixels = []
-            for i in range(start, min(start + batch_size, len(images))):
-                x = images[i]["pixel_values"]
-                pixels.append(x.flip(-1) if images.augmentation(i, r, r)[2] else x)  # the unflipped image
-            pixels = torch.stack(pixels)
-            views = [pixels, pixels.flip(-1)] if images.random_flip else [pixels]
-            params.append(torch.stack([encode(v).cpu() for v in views], dim=1))
-        self.params = torch.cat(params)  # [N, views, 2 * latent channels, h, w]
+        self.images = images
+        groups = {}
+        for i in range(len(images)):
+            groups.setdefault(images.crop_size(i), []).append(i)
+        params = [None] * len(images)
+        for members in groups.values():
+            for start in range(0, len(members), batch_size):
+                chunk = members[start:start + batch_size]
+                pixels = []
+                for i in chunk:
+                    x = images[i]["pixel_values"]
+                    pixels.append(x.flip(-1) if self.flipped(i) else x)  # the unflipped image
+                pixels = torch.stack(pixels)
+                views = [pixels, pixels.flip(-1)] if images.random_flip else [pixels]
+                for i, p in zip(chunk, torch.stack([encode(v).cpu() for v in views], dim=1)):
+                    params[i] = p
+        # [N, views, 2 * latent channels, h, w] when every image has one size, else a list (buckets)
+        self.params = torch.stack(params) if len(groups) == 1 else params
         images.cache = None  # the decoded images are not needed any more
 
     def set_epoch(self, epoch):
@@ -303,24 +370,29 @@ class CachedLatents:
     def __len__(self):
         return len(self.images)
 
+    def flipped(self, index):
+        return self.images.augmentation(index, *self.images.crop_size(index))[2]
+
     def views(self, indices):
         """Which view (0: as is, 1: mirrored) each item shows in the current epoch."""
         import torch
 
-        r = self.images.resolution
         if not self.images.random_flip:
             return torch.zeros(len(indices), dtype=torch.long)
-        return torch.tensor([int(self.images.augmentation(i, r, r)[2]) for i in indices])
+        return torch.tensor([int(self.flipped(i)) for i in indices])
 
     def __getitem__(self, index):
-        return {"latent_params": self.params[index, self.views([index])[0]], "index": index}
+        return {"latent_params": self.params[index][self.views([index])[0]], "index": index}
 
     def __getitems__(self, indices):
         """The DataLoader's whole batch (collate_fn=common.image_data.collate_batch): one gather, no dict per item."""
         import torch
 
-        index = torch.as_tensor(indices)
-        return {"latent_params": self.params[index, self.views(indices)], "index": index}
+        index, views = torch.as_tensor(indices), self.views(indices)
+        if isinstance(self.params, torch.Tensor):
+            return {"latent_params": self.params[index, views], "index": index}
+        return {"latent_params": torch.stack([self.params[i][v] for i, v in zip(indices, views.tolist())]),
+                "index": index}
 
 
 def caption_lists(values, column):

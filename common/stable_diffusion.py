@@ -104,6 +104,21 @@ def base_resolution(path, resolution, revision=None, cache_dir=None):
     return training_resolution(resolution, config, f"'{path}'")
 
 
+def size_factor(path, revision=None, cache_dir=None, unet_config=None):
+    """What every side of a training image is a multiple of under --buckets auto: the VAE's downsampling times the
+    UNet's (64 for Stable Diffusion: 8 x 8; 8 for the tiny base), so that every level of the UNet sees whole pixels.
+    `unet_config`: a UNet config (dict) that replaces the base's UNet."""
+    from diffusers import AutoencoderKL, UNet2DConditionModel
+
+    try:
+        vae = AutoencoderKL.load_config(path, subfolder="vae", revision=revision, cache_dir=cache_dir)
+        unet = unet_config or UNet2DConditionModel.load_config(path, subfolder="unet", revision=revision,
+                                                               cache_dir=cache_dir)
+    except (OSError, ValueError) as err:
+        raise load_error("--pretrained_model_name_or_path", path, err) from None
+    return 2 ** (len(vae["block_out_channels"]) - 1) * 2 ** (len(unet["block_out_channels"]) - 1)
+
+
 def check_safetensors(path, flag):
     """A .safetensors file whose header reads (an 8-byte length, then a JSON table of tensors), checked without
     torch so that a wrong or damaged file is reported at once. -> the tensor names it holds."""
@@ -252,9 +267,10 @@ def peft_to_kohya(state_dict, alpha, prefix, module_prefix=""):
     return kohya
 
 
-def validation_images(args, accelerator, vae, tokenizer, scheduler, unet, text_encoder, step):
+def validation_images(args, accelerator, vae, tokenizer, scheduler, unet, text_encoder, step, sizes=None):
     """Images of the validation prompts from the current weights (main process; the others wait), saved under
-    samples/step-N/ and logged to the trackers (a row per prompt). The VAE decodes in fp32, outside autocast."""
+    samples/step-N/ and logged to the trackers (a row per prompt, and per size: `sizes` [(height, width)], default
+    the pipeline's own). The VAE decodes in fp32, outside autocast."""
     import torch
     from diffusers import StableDiffusionPipeline
 
@@ -273,16 +289,18 @@ def validation_images(args, accelerator, vae, tokenizer, scheduler, unet, text_e
         folder = os.path.join(args.output_dir, "samples", f"step-{step}")
         os.makedirs(folder, exist_ok=True)
         for p, prompt in enumerate(args.validation_prompt):
-            generators = [torch.Generator().manual_seed(args.seed + j) for j in range(args.num_validation_images)]
-            with torch.no_grad(), accelerator.autocast():
-                latents = pipe([prompt] * len(generators), num_inference_steps=args.validation_inference_steps,
-                               guidance_scale=args.validation_guidance_scale, generator=generators,
-                               output_type="latent").images
-            images = decode_fp32(pipe, latents)
-            for j, image in enumerate(images):
-                paths.append(os.path.join(folder, f"{p}-{j}.png"))
-                image.save(paths[-1])
-            log_image(accelerator, f"validation/{p}", image_grid(images, ncol=len(images)), step)
+            for s, (height, width) in enumerate(sizes or [(None, None)]):
+                generators = [torch.Generator().manual_seed(args.seed + j) for j in range(args.num_validation_images)]
+                with torch.no_grad(), accelerator.autocast():
+                    latents = pipe([prompt] * len(generators), num_inference_steps=args.validation_inference_steps,
+                                   guidance_scale=args.validation_guidance_scale, generator=generators,
+                                   height=height, width=width, output_type="latent").images
+                images = decode_fp32(pipe, latents)
+                size = f"-{width}x{height}" if s else ""  # the first size keeps the plain names
+                for j, image in enumerate(images):
+                    paths.append(os.path.join(folder, f"{p}-{j}{size}.png"))
+                    image.save(paths[-1])
+                log_image(accelerator, f"validation/{p}{size}", image_grid(images, ncol=len(images)), step)
         unet.train(modes[0])
         text_encoder.train(modes[1])
     accelerator.wait_for_everyone()
