@@ -30,6 +30,7 @@ import random
 import time
 
 from common.args import (
+    add_caption_args,
     add_checkpoint_args,
     add_data_args,
     add_logging_args,
@@ -38,8 +39,8 @@ from common.args import (
     make_parser,
     positive_float,
     positive_int,
-    probability,
 )
+from common.caption_files import check_caption_args
 from common.checkpoints import resolve_resume
 from common.cli import UserError, quiet_loading_bars, run
 from common.diffusion import SCHEDULER_CLASSES, SD_SCHEDULER, diffusion_loss, diffusion_target
@@ -58,10 +59,7 @@ from common.unet_config import read_json_config
 def parse_args(argv=None):
     parser = make_parser(__doc__.splitlines()[0])
     g = add_data_args(parser, resolution=None)
-    g.add_argument("--caption_column", default="text",
-                   help="Column with each image's caption: a string, or a list (one picked at random per step).")
-    g.add_argument("--caption_dropout_prob", type=probability, default=0.1,
-                   help="Train on the empty prompt this often (what classifier-free guidance needs).")
+    add_caption_args(g, caption_dropout_prob=0.1)
     g.add_argument("--cache_latents", action="store_true",
                    help="VAE-encode every image once (implies --center_crop; with --random_flip both orientations).")
     g = parser.add_argument_group("model")
@@ -92,6 +90,7 @@ def parse_args(argv=None):
     add_checkpoint_args(parser, checkpointing_steps=500)
     add_logging_args(parser, project_name="train_text_to_image")
     args = parser.parse_args(argv)
+    check_caption_args(args)
     check_common_args(args)
     check_sd_pipeline(args.pretrained_model_name_or_path, "--pretrained_model_name_or_path")
     args.resolution = check_local_resolution(args.pretrained_model_name_or_path, args.resolution)
@@ -152,9 +151,9 @@ def main(args):
 
     args.resolution, _ = base_resolution(args.pretrained_model_name_or_path, args.resolution, args.revision,
                                          args.cache_dir)
-    train_ds, _ = load_image_dataset(args, carve_eval=False)
+    train_ds, _ = load_image_dataset(args, carve_eval=False, captions=True)
     require_columns(train_ds, image_column=args.image_column, caption_column=args.caption_column)
-    captions = caption_lists(train_ds[args.caption_column], args.caption_column)
+    captions = caption_lists(train_ds[args.caption_column], args.caption_column, prefix=args.caption_prefix)
     prompts = sorted({c for options in captions for c in options} | {""})
     prompt_id = {p: i for i, p in enumerate(prompts)}
     caption_ids = [[prompt_id[c] for c in options] for options in captions]
