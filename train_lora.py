@@ -27,7 +27,7 @@ Several GPUs (or `make train-lora CONFIG=accelerate_configs/multi_gpu.yaml ARGS=
     accelerate launch --config_file accelerate_configs/multi_gpu.yaml train_lora.py <the same flags>
 Then:  python sample.py --model outputs/lora-naruto --prompt "a girl with pink hair"
 
-Copy with: common/__init__.py, common/args.py, common/checkpoints.py, common/cli.py, common/diffusion.py, common/image_data.py, common/preemption.py, common/reporting.py, common/stable_diffusion.py, common/training.py
+Copy with: common/__init__.py, common/args.py, common/caption_files.py, common/checkpoints.py, common/cli.py, common/diffusion.py, common/image_data.py, common/preemption.py, common/reporting.py, common/stable_diffusion.py, common/training.py
 """  # noqa: E501 (the copy list stays one line, for grep)
 import math
 import os
