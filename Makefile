@@ -33,9 +33,10 @@ $(VENV)/.installed: requirements.txt
 	touch $@
 
 RED_DIGITS := data/digits-red-ink/train/metadata.jsonl
-data: $(DIGITS) $(RED_DIGITS)
-$(DIGITS) $(RED_DIGITS): | install
-	$(PY) -m demo.digits --output_dir data/digits --styled_dir data/digits-red-ink
+CAPTION_DIGITS := data/digits-captions/0
+data: $(DIGITS) $(RED_DIGITS) $(CAPTION_DIGITS)
+$(DIGITS) $(RED_DIGITS) $(CAPTION_DIGITS): | install
+	$(PY) -m demo.digits --output_dir data/digits --styled_dir data/digits-red-ink --captions_dir data/digits-captions
 
 env: install
 	$(ACCELERATE) env

@@ -21,7 +21,7 @@ One GPU, Stable Diffusion 1.5 from the hub (full fine-tuning wants a large GPU; 
         --output_dir outputs/sd-naruto
 Then:  python sample.py --model outputs/sd-naruto --prompt "a girl with pink hair"
 
-Copy with: common/__init__.py, common/args.py, common/buckets.py, common/checkpoints.py, common/cli.py, common/diffusion.py, common/image_data.py, common/preemption.py, common/reporting.py, common/stable_diffusion.py, common/training.py, common/unet_config.py, common/validation_loss.py
+Copy with: common/__init__.py, common/args.py, common/buckets.py, common/caption_files.py, common/checkpoints.py, common/cli.py, common/diffusion.py, common/image_data.py, common/preemption.py, common/reporting.py, common/stable_diffusion.py, common/training.py, common/unet_config.py, common/validation_loss.py
 """  # noqa: E501 (the copy list stays one line, for grep)
 import json
 import math
@@ -31,6 +31,7 @@ import time
 
 from common.args import (
     add_bucket_args,
+    add_caption_args,
     add_checkpoint_args,
     add_data_args,
     add_logging_args,
@@ -40,8 +41,8 @@ from common.args import (
     make_parser,
     positive_float,
     positive_int,
-    probability,
 )
+from common.caption_files import caption_folder_reader, check_caption_args
 from common.checkpoints import resolve_resume
 from common.cli import UserError, quiet_loading_bars, run
 from common.diffusion import SCHEDULER_CLASSES, SD_SCHEDULER, diffusion_loss, diffusion_target
@@ -60,10 +61,7 @@ from common.unet_config import read_json_config
 def parse_args(argv=None):
     parser = make_parser(__doc__.splitlines()[0])
     g = add_data_args(parser, resolution=None)
-    g.add_argument("--caption_column", default="text",
-                   help="Column with each image's caption: a string, or a list (one picked at random per step).")
-    g.add_argument("--caption_dropout_prob", type=probability, default=0.1,
-                   help="Train on the empty prompt this often (what classifier-free guidance needs).")
+    add_caption_args(g, caption_dropout_prob=0.1)
     g.add_argument("--cache_latents", action="store_true",
                    help="VAE-encode every image once (implies --center_crop; with --random_flip both orientations).")
     add_bucket_args(g)
@@ -95,6 +93,7 @@ def parse_args(argv=None):
     add_checkpoint_args(parser, checkpointing_steps=500)
     add_logging_args(parser, project_name="train_text_to_image")
     args = parser.parse_args(argv)
+    check_caption_args(args)
     check_common_args(args)
     check_sd_pipeline(args.pretrained_model_name_or_path, "--pretrained_model_name_or_path")
     args.resolution = check_local_resolution(args.pretrained_model_name_or_path, args.resolution)
@@ -151,10 +150,12 @@ def main(args):
 
     args.resolution, _ = base_resolution(args.pretrained_model_name_or_path, args.resolution, args.revision,
                                          args.cache_dir)
-    train_ds, held_out_ds = load_with_validation(args)  # held out: --validation_split's images, for val/loss
+    # held out: --validation_split's images, for val/loss; a folder without metadata: .txt captions
+    train_ds, held_out_ds = load_with_validation(args, read_folder=caption_folder_reader(args))
     require_columns(train_ds, image_column=args.image_column, caption_column=args.caption_column)
-    captions = caption_lists(train_ds[args.caption_column], args.caption_column)
-    held_out_captions = caption_lists(held_out_ds[args.caption_column], args.caption_column) if held_out_ds else []
+    captions = caption_lists(train_ds[args.caption_column], args.caption_column, prefix=args.caption_prefix)
+    held_out_captions = (caption_lists(held_out_ds[args.caption_column], args.caption_column,
+                                       prefix=args.caption_prefix) if held_out_ds else [])
     prompts = sorted({c for options in captions + held_out_captions for c in options} | {""})
     prompt_id = {p: i for i, p in enumerate(prompts)}
     caption_ids = [[prompt_id[c] for c in options] for options in captions]

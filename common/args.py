@@ -100,6 +100,21 @@ def add_data_args(parser, resolution, image_column="image"):
     return g
 
 
+def add_caption_args(group, caption_dropout_prob):
+    """The caption flags of the text-to-image trainers, added to their data group."""
+    group.add_argument("--caption_column", default="text",
+                       help="Column with each image's caption: a string, or a list (one picked at random per step).")
+    group.add_argument("--caption_dropout_prob", type=probability, default=caption_dropout_prob,
+                       help="Train on the empty prompt this often (what classifier-free guidance needs).")
+    group.add_argument("--default_caption", default=None,
+                       help="Caption of the images that have no .txt caption file, when --train_data_dir holds images "
+                            "with same-name .txt captions (no metadata file); without it each image needs one.")
+    group.add_argument("--caption_prefix", default="",
+                       help="Put before every caption, e.g. a trigger word: 'sks style, ' (not before the empty "
+                            "prompt of caption dropout).")
+    return group
+
+
 def add_training_args(parser, *, output_dir, learning_rate, train_batch_size, num_train_epochs, lr_scheduler,
                       lr_warmup_steps, max_grad_norm=1.0, adam_weight_decay=1e-2):
     g = parser.add_argument_group("training")

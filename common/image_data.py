@@ -20,13 +20,15 @@ from .cli import UserError, first_line, one_line
 logger = logging.getLogger(__name__)
 
 
-def load_image_dataset(args, carve_eval=True, validation_split=None):
+def load_image_dataset(args, carve_eval=True, validation_split=None, read_folder=None):
     """-> (train, eval) `datasets.Dataset`s. eval is `args.eval_split`, else 10% carved from train (fixed seed),
     else None when `carve_eval` is False (training that evaluates nothing keeps all its data).
 
     With `validation_split` (a share of train) -> (train, validation, test): the validation split is always carved
     from train (fixed seed), and test is `args.eval_split`, or None when the dataset has no such split.
     `--max_train_samples` truncates train after the carving: the held-out images do not depend on it.
+    read_folder(path) -> a DatasetDict, or None: another layout of --train_data_dir, tried before datasets'
+    imagefolder (the text-to-image trainers: images with same-name .txt captions, common/caption_files.py).
     """
     import datasets
 
@@ -34,7 +36,9 @@ def load_image_dataset(args, carve_eval=True, validation_split=None):
         if args.dataset_name is not None:
             loaded = datasets.load_dataset(args.dataset_name, args.dataset_config_name, cache_dir=args.cache_dir)
         else:
-            loaded = datasets.load_dataset("imagefolder", data_dir=args.train_data_dir, cache_dir=args.cache_dir)
+            loaded = read_folder(args.train_data_dir) if read_folder else None
+            if loaded is None:
+                loaded = datasets.load_dataset("imagefolder", data_dir=args.train_data_dir, cache_dir=args.cache_dir)
     except UserError:
         raise
     except Exception as err:  # datasets raises many types for a missing/invalid dataset
@@ -395,13 +399,13 @@ class CachedLatents:
                 "index": index}
 
 
-def caption_lists(values, column):
-    """Each row's caption(s) as a non-empty list of strings."""
+def caption_lists(values, column, prefix=""):
+    """Each row's caption(s) as a non-empty list of strings, each after `prefix` (--caption_prefix, a trigger word)."""
     lists = []
     for row, value in enumerate(values):
         options = [value] if isinstance(value, str) else list(value) if isinstance(value, list | tuple) else []
         if not options or not all(isinstance(c, str) for c in options):
             raise UserError(f"--caption_column '{column}': row {row} holds {str(value)[:60]!r}, "
                             "not a caption or a list of captions")
-        lists.append(options)
+        lists.append([prefix + caption for caption in options])
     return lists

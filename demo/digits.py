@@ -6,6 +6,8 @@ text three times and three times with a suffix of neutral words (", thin scanned
 (the base learns to read the digit word whatever follows it, so that a LoRA's style words do not drown it).
 data/digits-red-ink/{train,test}/: the same digits in a style the base never sees, dark red ink on light paper,
 captioned "a handwritten digit seven, red ink on paper": the style LoRA's data.
+data/digits-captions/<digit>/: the train split's images again, each with a same-name .txt of its captions (the
+metadata's `captions`, one per line): the caption-file layout that the Stable Diffusion trainers read too.
 """
 import argparse
 import json
@@ -36,7 +38,7 @@ def red_ink(grey):
     return (paper + (ink - paper) * s).round().clip(0, 255).astype(np.uint8)
 
 
-def write_digits(output_dir, size=32, test_fraction=0.2, seed=0, styled_dir=None):
+def write_digits(output_dir, size=32, test_fraction=0.2, seed=0, styled_dir=None, captions_dir=None):
     from sklearn.datasets import load_digits
     from sklearn.model_selection import train_test_split
 
@@ -46,11 +48,12 @@ def write_digits(output_dir, size=32, test_fraction=0.2, seed=0, styled_dir=None
     train_idx, test_idx = train_test_split(index, test_size=test_fraction, stratify=digits.target, random_state=seed)
     rng = np.random.default_rng(seed)
     pools = [suffix_pool(rng) for _ in NAMES]
-    outputs = [output_dir] + ([styled_dir] if styled_dir else [])
+    imagefolders = [output_dir] + ([styled_dir] if styled_dir else [])
+    outputs = imagefolders + ([captions_dir] if captions_dir else [])
     for out in outputs:
         shutil.rmtree(out.rstrip("/") + ".tmp", ignore_errors=True)
     for split, indices in (("train", train_idx), ("test", test_idx)):
-        folders = [os.path.join(out.rstrip("/") + ".tmp", split) for out in outputs]
+        folders = [os.path.join(out.rstrip("/") + ".tmp", split) for out in imagefolders]
         for folder in folders:
             os.makedirs(folder)
         metas = [open(os.path.join(folder, "metadata.jsonl"), "w") for folder in folders]
@@ -64,6 +67,12 @@ def write_digits(output_dir, size=32, test_fraction=0.2, seed=0, styled_dir=None
             if styled_dir:
                 Image.fromarray(red_ink(grey), "RGB").save(os.path.join(folders[1], name))
                 metas[1].write(json.dumps({"file_name": name, "label": label, "text": text + STYLE}) + "\n")
+            if captions_dir and split == "train":
+                folder = os.path.join(captions_dir.rstrip("/") + ".tmp", str(label))
+                os.makedirs(folder, exist_ok=True)
+                shutil.copy(os.path.join(folders[0], name), os.path.join(folder, name))
+                with open(os.path.join(folder, f"{i:04d}.txt"), "w", encoding="utf-8") as file:
+                    file.write("\n".join(captions) + "\n")
         for meta in metas:
             meta.close()
     for out in outputs:
@@ -76,8 +85,12 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--output_dir", default="data/digits")
     parser.add_argument("--styled_dir", default="data/digits-red-ink", help="The red-ink copy ('' for none).")
+    parser.add_argument("--captions_dir", default="data/digits-captions",
+                        help="The train split with .txt captions ('' for none).")
     parser.add_argument("--resolution", type=int, default=32)
     args = parser.parse_args()
-    n_train, n_test = write_digits(args.output_dir, size=args.resolution, styled_dir=args.styled_dir or None)
+    n_train, n_test = write_digits(args.output_dir, size=args.resolution, styled_dir=args.styled_dir or None,
+                                   captions_dir=args.captions_dir or None)
     print(f"wrote {n_train} train and {n_test} test images to {args.output_dir}"
-          + (f" and their red-ink copy to {args.styled_dir}" if args.styled_dir else ""))
+          + (f", their red-ink copy to {args.styled_dir}" if args.styled_dir else "")
+          + (f", the train images with .txt captions to {args.captions_dir}" if args.captions_dir else ""))

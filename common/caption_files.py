@@ -1,0 +1,125 @@
+"""Images with same-name .txt captions beside them (the kohya sd-scripts, ai-toolkit and SimpleTuner layout), read
+as a datasets.DatasetDict.
+
+`cat/01.png` is captioned by `cat/01.txt`: UTF-8 text, one caption per non-empty line (several lines: several
+captions, one picked per step). Subfolders are searched at any depth; names starting with "." are skipped, as
+datasets' imagefolder skips them. A tree with a datasets metadata file (metadata.jsonl, .csv or .parquet) anywhere
+in it is an imagefolder instead, and datasets reads it.
+"""
+import os
+
+from .args import IMAGE_EXTENSIONS
+from .cli import UserError
+
+METADATA_FILES = ("metadata.jsonl", "metadata.csv", "metadata.parquet")
+SHOWN = 3  # file names quoted in an error about several files
+
+
+def tree_files(root):
+    """The files under `root` as sorted "/"-separated relative paths, hidden files and folders left out."""
+    found = []
+    for folder, dirs, files in os.walk(root):
+        dirs[:] = [name for name in dirs if not name.startswith(".")]
+        relative = os.path.relpath(folder, root)
+        for name in files:
+            if not name.startswith("."):
+                found.append(os.path.normpath(os.path.join(relative, name)).replace(os.sep, "/"))
+    return sorted(found)
+
+
+def metadata_file(root):
+    """The first datasets metadata file in the tree under `root` (a relative path), else None."""
+    return next((path for path in tree_files(root) if path.rsplit("/", 1)[-1] in METADATA_FILES), None)
+
+
+def read_caption_file(path):
+    """A caption file -> its non-empty lines, stripped (at least one)."""
+    try:
+        with open(path, encoding="utf-8-sig") as file:  # -sig: a byte-order mark (Windows editors) is not text
+            text = file.read()
+    except UnicodeDecodeError as err:
+        raise UserError(f"caption file '{path}' is not UTF-8 text (byte {err.start}); save it as UTF-8") from None
+    except OSError as err:
+        raise UserError(f"cannot read caption file '{path}': {err.strerror or err}") from None
+    captions = [line.strip() for line in text.splitlines() if line.strip()]
+    if not captions:
+        raise UserError(f"caption file '{path}' is empty; write the image's caption in it, or delete it to caption "
+                        "the image with --default_caption")
+    return captions
+
+
+def listed(paths):
+    return ", ".join(paths[:SHOWN]) + (f" and {len(paths) - SHOWN} more" if len(paths) > SHOWN else "")
+
+
+def read_caption_folder(root, default_caption=None):
+    """-> (image paths, caption lists), in sorted path order (every process sees the same). An image without a caption
+    file takes [default_caption], or is an error naming the first few; so is a caption file without its image."""
+    files = tree_files(root)
+    images = [path for path in files if os.path.splitext(path)[1].lower() in IMAGE_EXTENSIONS]
+    if not images:
+        raise UserError(f"--train_data_dir '{root}' holds no image files; put images in it, each with its caption "
+                        "in a .txt file of the same name beside it (photo.png, photo.txt)")
+    texts = {}
+    for path in files:
+        stem, extension = os.path.splitext(path)
+        if extension.lower() == ".txt":
+            if stem in texts:
+                raise UserError(f"two caption files for one image in '{root}': {texts[stem]} and {path}; keep one")
+            texts[stem] = path
+    stems = {os.path.splitext(path)[0] for path in images}
+    orphans = [path for stem, path in texts.items() if stem not in stems]
+    if orphans:
+        raise UserError(f"caption file(s) without an image of the same name in '{root}': {listed(orphans)}; add the "
+                        "image or delete the caption file")
+    missing = [path for path in images if os.path.splitext(path)[0] not in texts]
+    if missing and default_caption is None:
+        raise UserError(f"images without a caption file in '{root}' ({len(missing)} of {len(images)}): "
+                        f"{listed(missing)}; write a .txt caption of the same name beside each, or give "
+                        "--default_caption for them")
+    captions = []
+    for path in images:
+        text = texts.get(os.path.splitext(path)[0])
+        captions.append(read_caption_file(os.path.join(root, text)) if text else [default_caption])
+    return [os.path.abspath(os.path.join(root, path)) for path in images], captions
+
+
+def load_caption_folder(path, image_column, caption_column, default_caption=None):
+    """-> datasets.DatasetDict with a "train" split: `image_column` a datasets.Image() of the files, `caption_column`
+    each image's list of captions."""
+    import datasets
+
+    if image_column == caption_column:
+        raise UserError(f"--image_column and --caption_column are both '{image_column}'; give two names")
+    images, captions = read_caption_folder(path, default_caption)
+    features = datasets.Features({image_column: datasets.Image(),
+                                  caption_column: datasets.Sequence(datasets.Value("string"))})
+    train = datasets.Dataset.from_dict({image_column: images, caption_column: captions}, features=features)
+    return datasets.DatasetDict({"train": train})
+
+
+def caption_folder_reader(args):
+    """load_image_dataset's `read_folder`: a --train_data_dir without a datasets metadata file is a caption folder."""
+    def read(path):
+        if metadata_file(path) is not None:
+            return None
+        return load_caption_folder(path, args.image_column, args.caption_column, args.default_caption)
+    return read
+
+
+def check_caption_args(args):
+    """Before torch loads: a --train_data_dir without a metadata file is a caption folder, read once here so that its
+    mistakes are reported at once; --default_caption only applies to one."""
+    if args.dataset_name is not None:
+        if args.default_caption is not None:
+            raise UserError("--default_caption is for a --train_data_dir of images with .txt captions; a "
+                            "--dataset_name has its captions in --caption_column: drop --default_caption")
+        return
+    if not os.path.isdir(args.train_data_dir):
+        return  # check_common_args says so
+    metadata = metadata_file(args.train_data_dir)
+    if metadata is None:
+        read_caption_folder(args.train_data_dir, args.default_caption)
+    elif args.default_caption is not None:
+        raise UserError(f"--default_caption is for a folder of images with .txt captions; '{args.train_data_dir}' is "
+                        f"an imagefolder ({metadata}) whose --caption_column has the captions: drop --default_caption")
