@@ -103,7 +103,8 @@ DEMO_LORA = $(if $(findstring --pretrained_model_name_or_path,$(ARGS)),,yes)
 LORA_TARGETS := to_k,to_q,to_v,to_out.0,proj_in,proj_out,ff.net.0.proj,ff.net.2,conv1,conv2,conv_shortcut,conv_in,$\
   conv_out,time_emb_proj
 LORA_DEMO = $(if $(DEMO_LORA),--train_data_dir data/digits-red-ink --learning_rate 3e-3 --train_batch_size 16 \
-  --max_train_steps 400 --caption_dropout_prob 0.1 --target_modules $(LORA_TARGETS) --validation_prompt $(STYLE_PROMPT))
+  --max_train_steps 400 --caption_dropout_prob 0.1 --target_modules $(LORA_TARGETS) --validation_prompt $(STYLE_PROMPT) \
+  --validation_split 0.05)
 LORA_PROMPTS := --prompt "a handwritten digit zero, red ink on paper" --prompt "a handwritten digit three, red ink on \
   paper" --prompt "a handwritten digit seven, red ink on paper"
 train-lora: data

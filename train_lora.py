@@ -460,6 +460,7 @@ def main(args):
                  "resolution": f"{args.resolution} px", "rank / alpha": f"{args.rank} / {args.lora_alpha:g}",
                  "target modules": ", ".join(args.target_modules),
                  "text encoder LoRA": args.train_text_encoder, "steps": global_step,
+                 "trigger (caption prefix)": f"`{args.caption_prefix}`" if args.caption_prefix else "none",
                  "final loss": f"{last_loss:.4f}" if last_loss is not None else "n/a",
                  "validation prompts": "; ".join(args.validation_prompt) or "none"},
                 "from diffusers import StableDiffusionPipeline\n"
@@ -490,7 +491,8 @@ def lora_info(args):
     return {"base_model": os.path.abspath(base) if os.path.isdir(base) else base, "revision": args.revision,
             "variant": args.variant, "rank": args.rank, "lora_alpha": args.lora_alpha,
             "target_modules": args.target_modules, "use_dora": args.use_dora,
-            "train_text_encoder": args.train_text_encoder, "prediction_type": args.prediction_type}
+            "train_text_encoder": args.train_text_encoder, "prediction_type": args.prediction_type,
+            "trigger": args.caption_prefix.strip(" ,") or None}  # --caption_prefix: what prompts need to show it
 
 
 def check_target_modules(model, targets, flag, what):

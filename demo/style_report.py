@@ -71,6 +71,10 @@ def main(args):
     for row in sweep:
         print(f"  LoRA scale {row['lora_scale']:<4g} style rate {row['style_rate']:6.1%}   content "
               f"{row['content']:6.1%}")
+    losses = existing.get("validation_losses")
+    if losses:  # --validation_split: the held-out red-ink digits' denoising loss, before and after
+        first, last = min(losses, key=int), max(losses, key=int)
+        print(f"  held-out loss (val/loss) {losses[first]:.4f} at step {first} -> {losses[last]:.4f} at step {last}")
     print(f"side by side (a row per scale, same seeds): {picture}")
     return results
 

@@ -177,3 +177,6 @@ def test_lora_trains_on_a_caption_folder(captioned, tiny_sd, tmp_path):
     # a red square, first, second, the non-ASCII one, the default caption
     assert "4 training images at 32 px, 5 distinct captions" in proc.stderr
     assert read_results(out)["global_step"] == 2 and (out / "pytorch_lora_weights.safetensors").is_file()
+    # the trigger word is recorded where users of the LoRA look: lora_info.json and the model card
+    assert json.loads((out / "lora_info.json").read_text())["trigger"] == "sks style"
+    assert "`sks style, `" in (out / "README.md").read_text()

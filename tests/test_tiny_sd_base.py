@@ -71,7 +71,8 @@ def style_lora(tmp_path_factory):
            "--learning_rate", "3e-3", "--train_batch_size", "16", "--max_train_steps", "150",
            "--caption_dropout_prob", "0.1", "--target_modules",
            STYLE_TARGETS, "--export_kohya", "--validation_prompt", "a handwritten digit three, red ink on paper",
-           "--num_validation_images", "4", "--checkpointing_steps", "1000", "--report_to", "none")
+           "--num_validation_images", "4", "--validation_split", "0.05", "--checkpointing_steps", "1000",
+           "--report_to", "none")
     (data / "stderr.txt").write_text(proc.stderr)  # beside the run, not in it
     return out
 
@@ -117,6 +118,10 @@ def test_the_style_report_measures_and_draws(style_lora):
     assert [row["lora_scale"] for row in sweep] == [0.0, 0.5, 1.0]
     assert results["style_rate_without_lora"] <= 0.1 and results["style_rate"] >= 0.6, results
     assert (style_lora / "side_by_side.png").is_file() and "style rate" in proc.stdout
+    # the held-out red-ink digits (--validation_split 0.05) are denoised better with the LoRA than by the base alone
+    losses = results["validation_losses"]
+    assert sorted(losses, key=int) == ["0", "100", "150"] and losses["150"] < 0.95 * losses["0"], losses
+    assert "held-out loss (val/loss)" in proc.stdout
 
 
 def test_rebuild_with_tiny_step_counts_and_a_changed_file_is_refused(digits, tmp_path):
