@@ -48,6 +48,7 @@ from common.args import (
     positive_int,
     probability,
 )
+from common.buckets import check_bucket_resolution
 from common.caption_files import caption_folder_reader, check_caption_args
 from common.checkpoints import read_checkpoint_info, resolve_resume
 from common.cli import UserError, first_line, quiet_loading_bars, run
@@ -62,6 +63,7 @@ from common.stable_diffusion import (
     lora_dtypes,
     save_lora_state,
     save_lora_weights,
+    size_factor,
     validation_images,
 )
 
@@ -124,6 +126,8 @@ def parse_args(argv=None):
     args.resolution = check_local_resolution(args.pretrained_model_name_or_path, args.resolution)
     args.lora_alpha = args.lora_alpha or args.rank
     check_bucket_args(args)
+    if args.buckets == "auto" and os.path.isdir(args.pretrained_model_name_or_path):  # a hub base: once loaded
+        check_bucket_resolution(args.resolution, size_factor(args.pretrained_model_name_or_path))
     if args.export_kohya and args.use_dora:
         parser.error("--export_kohya: the kohya format has no DoRA weights; drop --use_dora or --export_kohya")
     if not args.target_modules:
@@ -175,7 +179,6 @@ def main(args):
     # <domain: data>
     from common.buckets import batching, bucket_images, validation_sizes
     from common.image_data import CachedLatents, ImageDataset, caption_lists, collate_batch, require_columns
-    from common.stable_diffusion import size_factor
     from common.validation_loss import HeldOutLoss, load_with_validation
 
     # The training size: the base's native one (its VAE's sample_size) unless given. Far below it, what the LoRA

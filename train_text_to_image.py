@@ -42,6 +42,7 @@ from common.args import (
     positive_float,
     positive_int,
 )
+from common.buckets import check_bucket_resolution
 from common.caption_files import caption_folder_reader, check_caption_args
 from common.checkpoints import resolve_resume
 from common.cli import UserError, quiet_loading_bars, run
@@ -52,6 +53,7 @@ from common.stable_diffusion import (
     check_local_resolution,
     check_sd_pipeline,
     load_error,
+    size_factor,
     validation_images,
 )
 from common.training import add_ema_args, check_resumed_ema, ema_weights
@@ -97,10 +99,13 @@ def parse_args(argv=None):
     check_common_args(args)
     check_sd_pipeline(args.pretrained_model_name_or_path, "--pretrained_model_name_or_path")
     args.resolution = check_local_resolution(args.pretrained_model_name_or_path, args.resolution)
-    check_bucket_args(args)
     if args.unet_config:
         args.unet_config = read_unet_config(args.unet_config)
         check_unet_fits(args.unet_config, args.pretrained_model_name_or_path)
+    check_bucket_args(args)
+    if args.buckets == "auto" and os.path.isdir(args.pretrained_model_name_or_path):  # a hub base: once loaded
+        check_bucket_resolution(args.resolution, size_factor(args.pretrained_model_name_or_path,
+                                                                unet_config=args.unet_config))
     resume_path = resolve_resume(args.resume_from_checkpoint, args.output_dir)
     if resume_path:
         check_resumed_ema(args, resume_path)
@@ -145,7 +150,6 @@ def main(args):
     # <domain: data>
     from common.buckets import batching, bucket_images, validation_sizes
     from common.image_data import CachedLatents, ImageDataset, caption_lists, collate_batch, require_columns
-    from common.stable_diffusion import size_factor
     from common.validation_loss import HeldOutLoss, load_with_validation
 
     args.resolution, _ = base_resolution(args.pretrained_model_name_or_path, args.resolution, args.revision,

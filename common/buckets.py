@@ -82,15 +82,19 @@ def bucket_table(buckets, of, batch_size, merges):
     return "\n".join(lines)
 
 
+def check_bucket_resolution(resolution, factor):
+    if resolution % factor:
+        near = sorted({max(factor, resolution // factor * factor), (resolution // factor + 1) * factor})
+        raise UserError(f"--buckets auto: --resolution {resolution} is not divisible by {factor} (the VAE's "
+                        f"downsampling times the UNet's); use {' or '.join(map(str, near))}")
+
+
 def bucket_images(args, train, held_out, factor):
     """--buckets auto for `datasets` train (and held-out) images -> (each training image's (height, width), each
     held-out image's, the table to print). Held-out images take the nearest of the training buckets."""
     from .image_data import image_sizes
 
-    if args.resolution % factor:
-        near = sorted({max(factor, args.resolution // factor * factor), (args.resolution // factor + 1) * factor})
-        raise UserError(f"--buckets auto: --resolution {args.resolution} is not divisible by {factor} (the VAE's "
-                        f"downsampling times the UNet's); use {' or '.join(map(str, near))}")
+    check_bucket_resolution(args.resolution, factor)
     sizes, names = image_sizes(train, args.image_column)
     buckets, of, merges = assign_buckets(sizes, args.resolution, factor, args.train_batch_size,
                                          args.bucket_max_upscale, names)

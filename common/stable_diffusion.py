@@ -107,15 +107,23 @@ def base_resolution(path, resolution, revision=None, cache_dir=None):
 def size_factor(path, revision=None, cache_dir=None, unet_config=None):
     """What every side of a training image is a multiple of under --buckets auto: the VAE's downsampling times the
     UNet's (64 for Stable Diffusion: 8 x 8; 8 for the tiny base), so that every level of the UNet sees whole pixels.
-    `unet_config`: a UNet config (dict) that replaces the base's UNet."""
-    from diffusers import AutoencoderKL, UNet2DConditionModel
-
+    `unet_config`: a UNet config (dict) that replaces the base's UNet. A local folder is read without diffusers."""
+    files = [os.path.join(path, sub, "config.json") for sub in ("vae", "unet")]
     try:
-        vae = AutoencoderKL.load_config(path, subfolder="vae", revision=revision, cache_dir=cache_dir)
-        unet = unet_config or UNet2DConditionModel.load_config(path, subfolder="unet", revision=revision,
-                                                               cache_dir=cache_dir)
+        if all(os.path.isfile(f) for f in files):
+            configs = []
+            for f in files:
+                with open(f) as handle:
+                    configs.append(json.load(handle))
+            vae, unet = configs
+        else:
+            from diffusers import AutoencoderKL, UNet2DConditionModel
+
+            vae = AutoencoderKL.load_config(path, subfolder="vae", revision=revision, cache_dir=cache_dir)
+            unet = UNet2DConditionModel.load_config(path, subfolder="unet", revision=revision, cache_dir=cache_dir)
     except (OSError, ValueError) as err:
         raise load_error("--pretrained_model_name_or_path", path, err) from None
+    unet = unet_config or unet
     return 2 ** (len(vae["block_out_channels"]) - 1) * 2 ** (len(unet["block_out_channels"]) - 1)
 
 
