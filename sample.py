@@ -88,6 +88,9 @@ def sample_ddpm(args):
     if args.prompt or args.lora:
         raise UserError(f"--prompt/--lora are for Stable Diffusion; '{args.model}' is a train_ddpm.py model "
                         "(use --class_label)")
+    if args.height or args.width:
+        raise UserError(f"--height/--width are for Stable Diffusion; '{args.model}' is a train_ddpm.py model, which "
+                        "samples at the size it was trained at")
     has_ema = os.path.isdir(os.path.join(args.model, "unet_ema"))
     if args.no_ema and not has_ema:  # a final output's unet/ holds the EMA weights when it was trained with --use_ema
         raise UserError(f"--no_ema: '{args.model}' holds one set of weights (unet/, the EMA ones when it was trained "
@@ -254,6 +257,12 @@ def draw_sd(pipe, args, images, params, common, steps, guidance):
 
     from common.stable_diffusion import decode_fp32
 
+    factor = pipe.vae_scale_factor  # the pipeline would round another size down without a word
+    for flag, value in (("--height", args.height), ("--width", args.width)):
+        if value and value % factor:
+            near = sorted({max(factor, value // factor * factor), (value // factor + 1) * factor})
+            raise UserError(f"{flag} {value} is not divisible by {factor}, the VAE's downsampling factor; use "
+                            f"{' or '.join(map(str, near))}")
     jobs = [(prompt, j) for prompt in args.prompt for j in range(args.num_images)]
     first = len(images)
     for start in range(0, len(jobs), args.batch_size):

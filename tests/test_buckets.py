@@ -219,6 +219,18 @@ def test_a_bucketed_run_prints_its_buckets_and_draws_two_aspects(bucketed_run):
     assert sorted(logged) == [0, 4, 8] and logged[8] == pytest.approx(results["validation_loss"], rel=1e-6)
 
 
+def test_sample_py_draws_a_bucketed_lora_at_any_size_the_model_divides(bucketed_run, tmp_path):
+    out, _ = bucketed_run
+    proc = run_script("sample.py", "--model", out, "--prompt", "a gradient, wide", "--height", "24", "--width", "40",
+                      "--num_images", "1", "--num_inference_steps", "2", "--output_dir", tmp_path / "wide")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert Image.open(tmp_path / "wide" / "0000.png").size == (40, 24)
+    # a size the VAE does not divide was rounded down by the pipeline without a word
+    proc = run_script("sample.py", "--model", out, "--prompt", "x", "--height", "30", "--output_dir", tmp_path / "s")
+    assert_one_line_error(proc, "--height 30 is not divisible by 4")
+    assert not (tmp_path / "s").exists()
+
+
 def test_a_bucketed_run_resumes_exactly_mid_epoch(bucketed_run, mixed, tiny_sd, tmp_path):
     reference, _ = bucketed_run
     out = tmp_path / "resumed"
