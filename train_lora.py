@@ -27,7 +27,7 @@ Several GPUs (or `make train-lora CONFIG=accelerate_configs/multi_gpu.yaml ARGS=
     accelerate launch --config_file accelerate_configs/multi_gpu.yaml train_lora.py <the same flags>
 Then:  python sample.py --model outputs/lora-naruto --prompt "a girl with pink hair"
 
-Copy with: common/__init__.py, common/args.py, common/buckets.py, common/caption_files.py, common/checkpoints.py, common/cli.py, common/diffusion.py, common/image_data.py, common/preemption.py, common/reporting.py, common/stable_diffusion.py, common/training.py, common/validation_loss.py
+Copy with: common/__init__.py, common/args.py, common/buckets.py, common/caption_files.py, common/checkpoints.py, common/cli.py, common/diffusion.py, common/image_data.py, common/optimizers.py, common/preemption.py, common/reporting.py, common/stable_diffusion.py, common/training.py, common/validation_loss.py
 """  # noqa: E501 (the copy list stays one line, for grep)
 import math
 import os
@@ -52,6 +52,7 @@ from common.caption_files import caption_folder_reader, check_caption_args
 from common.checkpoints import read_checkpoint_info, resolve_resume
 from common.cli import UserError, first_line, quiet_loading_bars, run
 from common.diffusion import SCHEDULER_CLASSES, SD_SCHEDULER, diffusion_loss, diffusion_target
+from common.optimizers import add_optimizer_args, check_optimizer_args
 from common.stable_diffusion import (
     SHIPPED_BASE,
     base_resolution,
@@ -115,11 +116,13 @@ def parse_args(argv=None):
     g.add_argument("--validation_guidance_scale", type=float, default=7.5)
     add_training_args(parser, output_dir="outputs/lora", learning_rate=1e-4, train_batch_size=16, num_train_epochs=5,
                       lr_scheduler="constant", lr_warmup_steps=0)
+    add_optimizer_args(parser)
     add_checkpoint_args(parser, checkpointing_steps=500)
     add_logging_args(parser, project_name="train_lora")
     args = parser.parse_args(argv)
     check_caption_args(args)
     check_common_args(args)
+    check_optimizer_args(args)
     check_sd_pipeline(args.pretrained_model_name_or_path, "--pretrained_model_name_or_path")
     args.resolution = check_local_resolution(args.pretrained_model_name_or_path, args.resolution)
     args.lora_alpha = args.lora_alpha or args.rank
@@ -146,6 +149,7 @@ def main(args):
     from tqdm.auto import tqdm
 
     from common.checkpoints import checkpoint_step, load_checkpoint, register_state_hooks, save_checkpoint
+    from common.optimizers import build_optimizer
     from common.preemption import PreemptionGuard
     from common.reporting import init_trackers, log_with, write_all_results, write_model_card
     from common.training import build_lr_scheduler, build_param_groups, finite_step, plan_steps, resume_position
@@ -305,9 +309,7 @@ def main(args):
     param_groups = build_param_groups(torch.nn.ModuleDict(trained), args.learning_rate, args.adam_weight_decay,
                                       lr_groups)
     # </domain>
-    # fused AdamW: one kernel for all parameters instead of a loop over tensors (timings: docs/performance.md).
-    optimizer = torch.optim.AdamW(param_groups, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon,
-                                  fused=accelerator.device.type in ("cpu", "cuda"))
+    optimizer = build_optimizer(args, param_groups, accelerator.device)  # --optimizer (default: fused AdamW)
     steps_per_epoch, max_train_steps, num_train_epochs = plan_steps(
         math.ceil(len(train_dataloader) / accelerator.num_processes), args.gradient_accumulation_steps,
         args.num_train_epochs, args.max_train_steps)
