@@ -29,6 +29,7 @@ Then:  python sample.py --model outputs/lora-naruto --prompt "a girl with pink h
 
 Copy with: common/__init__.py, common/args.py, common/buckets.py, common/caption_files.py, common/checkpoints.py, common/cli.py, common/diffusion.py, common/image_data.py, common/optimizers.py, common/preemption.py, common/reporting.py, common/stable_diffusion.py, common/training.py, common/validation_loss.py
 """  # noqa: E501 (the copy list stays one line, for grep)
+import json
 import math
 import os
 import random
@@ -52,9 +53,10 @@ from common.caption_files import caption_folder_reader, check_caption_args
 from common.checkpoints import read_checkpoint_info, resolve_resume
 from common.cli import UserError, first_line, quiet_loading_bars, run
 from common.diffusion import SCHEDULER_CLASSES, SD_SCHEDULER, diffusion_loss, diffusion_target
-from common.optimizers import add_optimizer_args, check_optimizer_args
+from common.optimizers import OPTIMIZERS, add_optimizer_args, check_optimizer_args
 from common.stable_diffusion import (
     SHIPPED_BASE,
+    base_model_metadata,
     base_resolution,
     check_local_resolution,
     check_sd_pipeline,
@@ -327,9 +329,16 @@ def main(args):
         text_encoder = models[1]
     info = lora_info(args)
     checkpoint_info = info  # in checkpoint_info.json too: a resume checks its LoRA settings against them
+    base_version = base_model_metadata(unwrapped["unet"].config, noise_scheduler.config.prediction_type)
+
+    def file_metadata(step):  # the LoRA files' header (max_train_steps: its value when they are written)
+        return lora_metadata(args, info, base_version, step, max_train_steps, len(train_data),
+                             accelerator.mixed_precision)
+
     register_state_hooks(accelerator, unwrapped, save_fn=save_lora_state,
                          load_fn=lambda model, path: load_lora_state(model, path, lora_dtype),
-                         extra_save=lambda folder: save_lora_weights(folder, unwrapped, info))
+                         extra_save=lambda folder: save_lora_weights(folder, unwrapped, info,
+                                                                     metadata=file_metadata(global_step)))
     # </domain>
     steps_per_epoch, max_train_steps, num_train_epochs = plan_steps(
         len(train_dataloader), args.gradient_accumulation_steps, args.num_train_epochs, args.max_train_steps)
@@ -451,7 +460,8 @@ def main(args):
         # <domain: the final validation, the LoRA and its model card>
         images = validate(global_step) if validating else []
         if accelerator.is_main_process:
-            save_lora_weights(args.output_dir, unwrapped, info, kohya=args.export_kohya)
+            save_lora_weights(args.output_dir, unwrapped, info, kohya=args.export_kohya,
+                              metadata=file_metadata(global_step))
             base = args.pretrained_model_name_or_path
             write_model_card(
                 args.output_dir, f"LoRA for {base}",
@@ -495,6 +505,41 @@ def lora_info(args):
             "target_modules": args.target_modules, "use_dora": args.use_dora,
             "train_text_encoder": args.train_text_encoder, "prediction_type": args.prediction_type,
             "trigger": args.caption_prefix.strip(" ,") or None}  # --caption_prefix: what prompts need to show it
+
+
+def lora_metadata(args, info, base_version, step, max_train_steps, num_images, mixed_precision):
+    """The safetensors metadata of the LoRA files (strings): this recipe's own keys (the base as given, the target
+    modules, the trigger word: what sample.py prints), kohya's ss_* keys as its train_network.py writes them and
+    ModelSpec's modelspec.* (what A1111, ComfyUI and the model sites show). base_version: base_model_metadata's."""
+    base, dataset, size = info["base_model"], args.dataset_name or args.train_data_dir, args.resolution
+    name = os.path.basename(os.path.abspath(args.output_dir))
+    trigger = info["trigger"] or ""
+    text_encoder_lr = str(args.text_encoder_lr or args.learning_rate) if args.train_text_encoder else "None"
+    metadata = {
+        "base_model": base, "dataset": dataset, "resolution": str(size), "rank": str(args.rank),
+        "lora_alpha": f"{args.lora_alpha:g}", "target_modules": ",".join(args.target_modules),
+        "text_encoder_target_modules": ",".join(TEXT_ENCODER_TARGETS) if args.train_text_encoder else "",
+        "steps": str(step), "trigger": trigger,
+        "ss_sd_model_name": os.path.basename(base) if os.path.isdir(base) else base, "ss_output_name": name,
+        "ss_network_module": "networks.lora", "ss_network_dim": str(args.rank),
+        "ss_network_alpha": str(float(args.lora_alpha)), "ss_network_dropout": str(args.lora_dropout),
+        "ss_resolution": f"({size}, {size})", "ss_enable_bucket": str(args.buckets == "auto"),
+        "ss_steps": str(step), "ss_max_train_steps": str(max_train_steps), "ss_learning_rate": str(args.learning_rate),
+        "ss_unet_lr": str(args.learning_rate), "ss_text_encoder_lr": text_encoder_lr,
+        "ss_lr_scheduler": args.lr_scheduler, "ss_lr_warmup_steps": str(args.lr_warmup_steps),
+        "ss_optimizer": OPTIMIZERS[args.optimizer][0], "ss_max_grad_norm": str(args.max_grad_norm),
+        "ss_batch_size_per_device": str(args.train_batch_size),
+        "ss_gradient_accumulation_steps": str(args.gradient_accumulation_steps),
+        "ss_gradient_checkpointing": str(args.gradient_checkpointing), "ss_mixed_precision": mixed_precision,
+        "ss_seed": str(args.seed), "ss_cache_latents": str(args.cache_latents), "ss_flip_aug": str(args.random_flip),
+        "ss_noise_offset": str(args.noise_offset), "ss_min_snr_gamma": str(args.snr_gamma),
+        "ss_caption_dropout_rate": str(args.caption_dropout_prob), "ss_num_train_images": str(num_images),
+        "ss_dataset_dirs": json.dumps({os.path.basename(os.path.normpath(dataset)): {"n_repeats": 1,
+                                                                                      "img_count": num_images}}),
+        "ss_training_comment": "train_lora.py" + (f"; trigger: {trigger}" if trigger else ""),
+        "modelspec.sai_model_spec": "1.0.0", "modelspec.implementation": "diffusers", "modelspec.title": name,
+        "modelspec.resolution": f"{size}x{size}", "modelspec.trigger_phrase": trigger, **base_version}
+    return {key: value for key, value in metadata.items() if value}  # no empty trigger or text encoder targets
 
 
 def check_target_modules(model, targets, flag, what):
