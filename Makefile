@@ -32,6 +32,12 @@ $(VENV)/.installed: requirements.txt
 	  2>&1 | { grep -v "is ignored: it is neither a file nor a directory" || true; }
 	touch $@
 
+# The optional packages (requirements-extras.txt): bitsandbytes for --optimizer adamw8bit, on a CUDA GPU.
+.PHONY: install-extras
+install-extras: install
+	set -o pipefail; $(PY) -m pip install --quiet --disable-pip-version-check --no-compile \
+	  -r requirements-extras.txt 2>&1 | { grep -v "is ignored: it is neither a file nor a directory" || true; }
+
 RED_DIGITS := data/digits-red-ink/train/metadata.jsonl
 CAPTION_DIGITS := data/digits-captions/0
 data: $(DIGITS) $(RED_DIGITS) $(CAPTION_DIGITS)

@@ -168,7 +168,9 @@ def sample_sd(args):
         LORA_WEIGHTS,
         check_safetensors,
         check_sd_pipeline,
+        describe_lora,
         load_error,
+        lora_file_metadata,
         read_lora_info,
     )
 
@@ -190,6 +192,10 @@ def sample_sd(args):
         if os.path.exists(path):  # a damaged or non-safetensors file: at once, not after the base has loaded
             check_safetensors(os.path.join(path, LORA_WEIGHTS) if os.path.isdir(path) else path, "--lora")
     check_writable(output_dir(args), "--output_dir")
+    for path, scale in loras:  # what each LoRA file says of its training, before the long part
+        if os.path.exists(path):
+            lines = describe_lora(lora_file_metadata(path)) or ["no training metadata in the file"]
+            print(f"LoRA {path} (scale {scale:g}):" + "".join(f"\n  {line}" for line in lines), flush=True)
 
     import warnings
 

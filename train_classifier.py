@@ -20,7 +20,7 @@ Image + text (the modules image_model, text_model and head take their own learni
     ... --text_column text --text_model_name_or_path google-bert/bert-base-uncased \
         --lr_groups image_model=2e-5,text_model=4e-5
 
-Copy with: common/__init__.py, common/args.py, common/checkpoints.py, common/classifier_metrics.py, common/cli.py, common/image_data.py, common/image_text_model.py, common/preemption.py, common/reporting.py, common/training.py
+Copy with: common/__init__.py, common/args.py, common/checkpoints.py, common/classifier_metrics.py, common/cli.py, common/image_data.py, common/image_text_model.py, common/optimizers.py, common/preemption.py, common/reporting.py, common/training.py
 """  # noqa: E501 (the copy list stays one line, for grep)
 import argparse
 import math
@@ -39,6 +39,7 @@ from common.args import (
 )
 from common.checkpoints import read_checkpoint_info, resolve_resume
 from common.cli import UserError, first_line, quiet_loading_bars, run
+from common.optimizers import add_optimizer_args, check_optimizer_args
 from common.training import parse_lr_groups
 
 
@@ -65,10 +66,12 @@ def parse_args(argv=None):
                         "precision on GPUs; faster in the CPU demo too). --no-channels_last: PyTorch's default layout.")
     add_training_args(parser, output_dir="outputs/classifier", learning_rate=3e-3, train_batch_size=64,
                       num_train_epochs=15, lr_scheduler="warmup_cosine", lr_warmup_steps=30, adam_weight_decay=0.05)
+    add_optimizer_args(parser)
     add_checkpoint_args(parser, checkpointing_steps=500)
     add_logging_args(parser, project_name="train_classifier")
     args = parser.parse_args(argv)
     check_common_args(args)
+    check_optimizer_args(args)
     if not 0 < args.train_val_split < 1:
         parser.error(f"--train_val_split must be between 0 and 1 (exclusive), not {args.train_val_split}")
     if (args.text_column is None) != (args.text_model_name_or_path is None):
@@ -88,6 +91,7 @@ def main(args):
     from tqdm.auto import tqdm
 
     from common.checkpoints import checkpoint_step, load_checkpoint, register_state_hooks, save_checkpoint
+    from common.optimizers import build_optimizer
     from common.preemption import PreemptionGuard
     from common.reporting import init_trackers, log_with, write_all_results, write_model_card
     from common.training import build_lr_scheduler, build_param_groups, finite_step, plan_steps, resume_position
@@ -208,9 +212,7 @@ def main(args):
     # <domain: parameter groups>
     param_groups = build_param_groups(model, args.learning_rate, args.adam_weight_decay, args.lr_groups)
     # </domain>
-    # fused AdamW: one kernel for all parameters instead of a loop over tensors (timings: docs/performance.md).
-    optimizer = torch.optim.AdamW(param_groups, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon,
-                                  fused=accelerator.device.type in ("cpu", "cuda"))
+    optimizer = build_optimizer(args, param_groups, accelerator.device)  # --optimizer (default: fused AdamW)
     steps_per_epoch, max_train_steps, num_train_epochs = plan_steps(
         math.ceil(len(train_dataloader) / accelerator.num_processes), args.gradient_accumulation_steps,
         args.num_train_epochs, args.max_train_steps)

@@ -21,7 +21,7 @@ A hub dataset (CIFAR-10, class-conditional, 32 px, a bigger UNet):
         --block_out_channels 128,256,256,256 --layers_per_block 2 --train_batch_size 128 --num_train_epochs 300 \
         --learning_rate 2e-4 --lr_warmup_steps 1000 --use_ema --ema_max_decay 0.9999 --mixed_precision bf16
 
-Copy with: common/__init__.py, common/args.py, common/checkpoints.py, common/classifier_metrics.py, common/cli.py, common/diffusion.py, common/image_data.py, common/preemption.py, common/reporting.py, common/training.py, common/unet_config.py
+Copy with: common/__init__.py, common/args.py, common/checkpoints.py, common/classifier_metrics.py, common/cli.py, common/diffusion.py, common/image_data.py, common/optimizers.py, common/preemption.py, common/reporting.py, common/training.py, common/unet_config.py
 """  # noqa: E501 (the copy list stays one line, for grep)
 import json
 import math
@@ -49,6 +49,7 @@ from common.diffusion import (
     diffusion_loss,
     diffusion_target,
 )
+from common.optimizers import add_optimizer_args, check_optimizer_args
 from common.training import add_ema_args, check_resumed_ema, ema_weights
 from common.unet_config import channel_list, check_unet_shape, pretrained_unet_config, unet_config_source
 
@@ -93,10 +94,12 @@ def parse_args(argv=None):
                    help="A train_classifier.py output: log sample accuracy and the Fréchet distance of its features.")
     add_training_args(parser, output_dir="outputs/ddpm", learning_rate=2e-3, train_batch_size=64,
                       num_train_epochs=55, lr_scheduler="warmup_cosine", lr_warmup_steps=100, adam_weight_decay=1e-6)
+    add_optimizer_args(parser)
     add_checkpoint_args(parser, checkpointing_steps=500)
     add_logging_args(parser, project_name="train_ddpm")
     args = parser.parse_args(argv)
     check_common_args(args)
+    check_optimizer_args(args)
     if args.model_config_name_or_path and args.pretrained_model_name_or_path:
         parser.error("give --model_config_name_or_path or --pretrained_model_name_or_path, not both")
     if args.snr_gamma < 0:
@@ -124,6 +127,7 @@ def main(args):
     from tqdm.auto import tqdm
 
     from common.checkpoints import checkpoint_step, load_checkpoint, register_state_hooks, save_checkpoint
+    from common.optimizers import build_optimizer
     from common.preemption import PreemptionGuard
     from common.reporting import init_trackers, log_with, write_all_results, write_model_card
     from common.training import build_lr_scheduler, build_param_groups, finite_step, plan_steps, resume_position
@@ -204,9 +208,7 @@ def main(args):
     # <domain: parameter groups>
     param_groups = build_param_groups(unet, args.learning_rate, args.adam_weight_decay)
     # </domain>
-    # fused AdamW: one kernel for all parameters instead of a loop over tensors (timings: docs/performance.md).
-    optimizer = torch.optim.AdamW(param_groups, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon,
-                                  fused=accelerator.device.type in ("cpu", "cuda"))
+    optimizer = build_optimizer(args, param_groups, accelerator.device)  # --optimizer (default: fused AdamW)
     steps_per_epoch, max_train_steps, num_train_epochs = plan_steps(
         math.ceil(len(train_dataloader) / accelerator.num_processes), args.gradient_accumulation_steps,
         args.num_train_epochs, args.max_train_steps)

@@ -27,8 +27,9 @@ Several GPUs (or `make train-lora CONFIG=accelerate_configs/multi_gpu.yaml ARGS=
     accelerate launch --config_file accelerate_configs/multi_gpu.yaml train_lora.py <the same flags>
 Then:  python sample.py --model outputs/lora-naruto --prompt "a girl with pink hair"
 
-Copy with: common/__init__.py, common/args.py, common/buckets.py, common/caption_files.py, common/checkpoints.py, common/cli.py, common/diffusion.py, common/image_data.py, common/preemption.py, common/reporting.py, common/stable_diffusion.py, common/training.py, common/validation_loss.py
+Copy with: common/__init__.py, common/args.py, common/buckets.py, common/caption_files.py, common/checkpoints.py, common/cli.py, common/diffusion.py, common/image_data.py, common/optimizers.py, common/preemption.py, common/reporting.py, common/stable_diffusion.py, common/training.py, common/validation_loss.py
 """  # noqa: E501 (the copy list stays one line, for grep)
+import json
 import math
 import os
 import random
@@ -53,8 +54,10 @@ from common.caption_files import caption_folder_reader, check_caption_args
 from common.checkpoints import read_checkpoint_info, resolve_resume
 from common.cli import UserError, first_line, quiet_loading_bars, run
 from common.diffusion import SCHEDULER_CLASSES, SD_SCHEDULER, diffusion_loss, diffusion_target
+from common.optimizers import OPTIMIZERS, add_optimizer_args, check_optimizer_args
 from common.stable_diffusion import (
     SHIPPED_BASE,
+    base_model_metadata,
     base_resolution,
     check_local_resolution,
     check_sd_pipeline,
@@ -117,11 +120,13 @@ def parse_args(argv=None):
     g.add_argument("--validation_guidance_scale", type=float, default=7.5)
     add_training_args(parser, output_dir="outputs/lora", learning_rate=1e-4, train_batch_size=16, num_train_epochs=5,
                       lr_scheduler="constant", lr_warmup_steps=0)
+    add_optimizer_args(parser)
     add_checkpoint_args(parser, checkpointing_steps=500)
     add_logging_args(parser, project_name="train_lora")
     args = parser.parse_args(argv)
     check_caption_args(args)
     check_common_args(args)
+    check_optimizer_args(args)
     check_sd_pipeline(args.pretrained_model_name_or_path, "--pretrained_model_name_or_path")
     args.resolution = check_local_resolution(args.pretrained_model_name_or_path, args.resolution)
     args.lora_alpha = args.lora_alpha or args.rank
@@ -150,6 +155,7 @@ def main(args):
     from tqdm.auto import tqdm
 
     from common.checkpoints import checkpoint_step, load_checkpoint, register_state_hooks, save_checkpoint
+    from common.optimizers import build_optimizer
     from common.preemption import PreemptionGuard
     from common.reporting import init_trackers, log_with, write_all_results, write_model_card
     from common.training import build_lr_scheduler, build_param_groups, finite_step, plan_steps, resume_position
@@ -308,9 +314,7 @@ def main(args):
     param_groups = build_param_groups(torch.nn.ModuleDict(trained), args.learning_rate, args.adam_weight_decay,
                                       lr_groups)
     # </domain>
-    # fused AdamW: one kernel for all parameters instead of a loop over tensors (timings: docs/performance.md).
-    optimizer = torch.optim.AdamW(param_groups, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon,
-                                  fused=accelerator.device.type in ("cpu", "cuda"))
+    optimizer = build_optimizer(args, param_groups, accelerator.device)  # --optimizer (default: fused AdamW)
     steps_per_epoch, max_train_steps, num_train_epochs = plan_steps(
         math.ceil(len(train_dataloader) / accelerator.num_processes), args.gradient_accumulation_steps,
         args.num_train_epochs, args.max_train_steps)
@@ -328,9 +332,16 @@ def main(args):
         text_encoder = models[1]
     info = lora_info(args)
     checkpoint_info = info  # in checkpoint_info.json too: a resume checks its LoRA settings against them
+    base_version = base_model_metadata(unwrapped["unet"].config, noise_scheduler.config.prediction_type)
+
+    def file_metadata(step):  # the LoRA files' header (max_train_steps: its value when they are written)
+        return lora_metadata(args, info, base_version, step, max_train_steps, len(train_data),
+                             accelerator.mixed_precision)
+
     register_state_hooks(accelerator, unwrapped, save_fn=save_lora_state,
                          load_fn=lambda model, path: load_lora_state(model, path, lora_dtype),
-                         extra_save=lambda folder: save_lora_weights(folder, unwrapped, info))
+                         extra_save=lambda folder: save_lora_weights(folder, unwrapped, info,
+                                                                     metadata=file_metadata(global_step)))
     # </domain>
     steps_per_epoch, max_train_steps, num_train_epochs = plan_steps(
         len(train_dataloader), args.gradient_accumulation_steps, args.num_train_epochs, args.max_train_steps)
@@ -452,7 +463,8 @@ def main(args):
         # <domain: the final validation, the LoRA and its model card>
         images = validate(global_step) if validating else []
         if accelerator.is_main_process:
-            save_lora_weights(args.output_dir, unwrapped, info, kohya=args.export_kohya)
+            save_lora_weights(args.output_dir, unwrapped, info, kohya=args.export_kohya,
+                              metadata=file_metadata(global_step))
             base = args.pretrained_model_name_or_path
             write_model_card(
                 args.output_dir, f"LoRA for {base}",
@@ -496,6 +508,41 @@ def lora_info(args):
             "target_modules": args.target_modules, "use_dora": args.use_dora,
             "train_text_encoder": args.train_text_encoder, "prediction_type": args.prediction_type,
             "trigger": args.caption_prefix.strip(" ,") or None}  # --caption_prefix: what prompts need to show it
+
+
+def lora_metadata(args, info, base_version, step, max_train_steps, num_images, mixed_precision):
+    """The safetensors metadata of the LoRA files (strings): this recipe's own keys (the base as given, the target
+    modules, the trigger word: what sample.py prints), kohya's ss_* keys as its train_network.py writes them and
+    ModelSpec's modelspec.* (what A1111, ComfyUI and the model sites show). base_version: base_model_metadata's."""
+    base, dataset, size = info["base_model"], args.dataset_name or args.train_data_dir, args.resolution
+    name = os.path.basename(os.path.abspath(args.output_dir))
+    trigger = info["trigger"] or ""
+    text_encoder_lr = str(args.text_encoder_lr or args.learning_rate) if args.train_text_encoder else "None"
+    metadata = {
+        "base_model": base, "dataset": dataset, "resolution": str(size), "rank": str(args.rank),
+        "lora_alpha": f"{args.lora_alpha:g}", "target_modules": ",".join(args.target_modules),
+        "text_encoder_target_modules": ",".join(TEXT_ENCODER_TARGETS) if args.train_text_encoder else "",
+        "steps": str(step), "trigger": trigger,
+        "ss_sd_model_name": os.path.basename(base) if os.path.isdir(base) else base, "ss_output_name": name,
+        "ss_network_module": "networks.lora", "ss_network_dim": str(args.rank),
+        "ss_network_alpha": str(float(args.lora_alpha)), "ss_network_dropout": str(args.lora_dropout),
+        "ss_resolution": f"({size}, {size})", "ss_enable_bucket": str(args.buckets == "auto"),
+        "ss_steps": str(step), "ss_max_train_steps": str(max_train_steps), "ss_learning_rate": str(args.learning_rate),
+        "ss_unet_lr": str(args.learning_rate), "ss_text_encoder_lr": text_encoder_lr,
+        "ss_lr_scheduler": args.lr_scheduler, "ss_lr_warmup_steps": str(args.lr_warmup_steps),
+        "ss_optimizer": OPTIMIZERS[args.optimizer][0], "ss_max_grad_norm": str(args.max_grad_norm),
+        "ss_batch_size_per_device": str(args.train_batch_size),
+        "ss_gradient_accumulation_steps": str(args.gradient_accumulation_steps),
+        "ss_gradient_checkpointing": str(args.gradient_checkpointing), "ss_mixed_precision": mixed_precision,
+        "ss_seed": str(args.seed), "ss_cache_latents": str(args.cache_latents), "ss_flip_aug": str(args.random_flip),
+        "ss_noise_offset": str(args.noise_offset), "ss_min_snr_gamma": str(args.snr_gamma),
+        "ss_caption_dropout_rate": str(args.caption_dropout_prob), "ss_num_train_images": str(num_images),
+        "ss_dataset_dirs": json.dumps({os.path.basename(os.path.normpath(dataset)): {"n_repeats": 1,
+                                                                                      "img_count": num_images}}),
+        "ss_training_comment": "train_lora.py" + (f"; trigger: {trigger}" if trigger else ""),
+        "modelspec.sai_model_spec": "1.0.0", "modelspec.implementation": "diffusers", "modelspec.title": name,
+        "modelspec.resolution": f"{size}x{size}", "modelspec.trigger_phrase": trigger, **base_version}
+    return {key: value for key, value in metadata.items() if value}  # no empty trigger or text encoder targets
 
 
 def check_target_modules(model, targets, flag, what):

@@ -21,7 +21,7 @@ One GPU, Stable Diffusion 1.5 from the hub (full fine-tuning wants a large GPU; 
         --output_dir outputs/sd-naruto
 Then:  python sample.py --model outputs/sd-naruto --prompt "a girl with pink hair"
 
-Copy with: common/__init__.py, common/args.py, common/buckets.py, common/caption_files.py, common/checkpoints.py, common/cli.py, common/diffusion.py, common/image_data.py, common/preemption.py, common/reporting.py, common/stable_diffusion.py, common/training.py, common/unet_config.py, common/validation_loss.py
+Copy with: common/__init__.py, common/args.py, common/buckets.py, common/caption_files.py, common/checkpoints.py, common/cli.py, common/diffusion.py, common/image_data.py, common/optimizers.py, common/preemption.py, common/reporting.py, common/stable_diffusion.py, common/training.py, common/unet_config.py, common/validation_loss.py
 """  # noqa: E501 (the copy list stays one line, for grep)
 import json
 import math
@@ -47,6 +47,7 @@ from common.caption_files import caption_folder_reader, check_caption_args
 from common.checkpoints import resolve_resume
 from common.cli import UserError, quiet_loading_bars, run
 from common.diffusion import SCHEDULER_CLASSES, SD_SCHEDULER, diffusion_loss, diffusion_target
+from common.optimizers import add_optimizer_args, check_optimizer_args
 from common.stable_diffusion import (
     SHIPPED_BASE,
     base_resolution,
@@ -92,11 +93,13 @@ def parse_args(argv=None):
     g.add_argument("--validation_guidance_scale", type=float, default=7.5)
     add_training_args(parser, output_dir="outputs/text-to-image", learning_rate=1e-5, train_batch_size=16,
                       num_train_epochs=5, lr_scheduler="constant", lr_warmup_steps=0)
+    add_optimizer_args(parser)
     add_checkpoint_args(parser, checkpointing_steps=500)
     add_logging_args(parser, project_name="train_text_to_image")
     args = parser.parse_args(argv)
     check_caption_args(args)
     check_common_args(args)
+    check_optimizer_args(args)
     check_sd_pipeline(args.pretrained_model_name_or_path, "--pretrained_model_name_or_path")
     args.resolution = check_local_resolution(args.pretrained_model_name_or_path, args.resolution)
     if args.unet_config:
@@ -120,6 +123,7 @@ def main(args):
     from tqdm.auto import tqdm
 
     from common.checkpoints import checkpoint_step, load_checkpoint, register_state_hooks, save_checkpoint
+    from common.optimizers import build_optimizer
     from common.preemption import PreemptionGuard
     from common.reporting import init_trackers, log_with, write_all_results, write_model_card
     from common.training import build_lr_scheduler, build_param_groups, finite_step, plan_steps, resume_position
@@ -261,9 +265,7 @@ def main(args):
     # <domain: parameter groups>
     param_groups = build_param_groups(unet, args.learning_rate, args.adam_weight_decay)
     # </domain>
-    # fused AdamW: one kernel for all parameters instead of a loop over tensors (timings: docs/performance.md).
-    optimizer = torch.optim.AdamW(param_groups, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon,
-                                  fused=accelerator.device.type in ("cpu", "cuda"))
+    optimizer = build_optimizer(args, param_groups, accelerator.device)  # --optimizer (default: fused AdamW)
     steps_per_epoch, max_train_steps, num_train_epochs = plan_steps(
         math.ceil(len(train_dataloader) / accelerator.num_processes), args.gradient_accumulation_steps,
         args.num_train_epochs, args.max_train_steps)

@@ -1,7 +1,8 @@
 """Stable Diffusion bases and their LoRAs: one-line errors for a folder that is not a pipeline, the training
 resolution, an fp32 VAE decode, lora_info.json (which ties a LoRA to its base, so sample.py finds the base from the
-LoRA alone), the LoRA checkpoint hooks (the peft adapter state), diffusers' pytorch_lora_weights.safetensors, and
-the kohya key format that A1111, ComfyUI and diffusers' own loader read."""
+LoRA alone), the LoRA checkpoint hooks (the peft adapter state), diffusers' pytorch_lora_weights.safetensors, the
+kohya key format that A1111, ComfyUI and diffusers' own loader read, and the training metadata in the files' headers
+(kohya's ss_* keys, ModelSpec's) with a summary of it for people."""
 import json
 import os
 
@@ -127,9 +128,9 @@ def size_factor(path, revision=None, cache_dir=None, unet_config=None):
     return 2 ** (len(vae["block_out_channels"]) - 1) * 2 ** (len(unet["block_out_channels"]) - 1)
 
 
-def check_safetensors(path, flag):
-    """A .safetensors file whose header reads (an 8-byte length, then a JSON table of tensors), checked without
-    torch so that a wrong or damaged file is reported at once. -> the tensor names it holds."""
+def safetensors_header(path, flag):
+    """The JSON header of a .safetensors file (an 8-byte length, then a table of tensors and `__metadata__`), read
+    without torch so that a wrong or damaged file is reported at once."""
     try:
         with open(path, "rb") as f:
             size = int.from_bytes(f.read(8), "little")
@@ -141,7 +142,12 @@ def check_safetensors(path, flag):
     except (OSError, ValueError) as err:
         raise UserError(f"{flag} '{path}' is not a readable .safetensors file ({err}); give a LoRA saved as "
                         "safetensors (diffusers, peft or kohya format)") from None
-    return [name for name in header if name != "__metadata__"]
+    return header
+
+
+def check_safetensors(path, flag):
+    """A .safetensors file whose header reads. -> the tensor names it holds."""
+    return [name for name in safetensors_header(path, flag) if name != "__metadata__"]
 
 
 def load_error(flag, path, err):
@@ -218,12 +224,14 @@ def load_lora_state(model, path, dtype):
     cast_training_params(model, dtype=dtype)
 
 
-def save_lora_weights(folder, lora_models, info, kohya=False):
+def save_lora_weights(folder, lora_models, info, kohya=False, metadata=None):
     """lora_models: {"unet": ..., "text_encoder": ...} (peft-adapted, unwrapped). Writes
     pytorch_lora_weights.safetensors with `StableDiffusionPipeline.save_lora_weights` (the adapter configs ride
-    along as metadata, so alpha and DoRA load back), lora_info.json, and
-    with `kohya` the kohya-format file. Main process only."""
+    along as diffusers' metadata, so alpha and DoRA load back), lora_info.json, and with `kohya` the kohya-format
+    file. `metadata` ({str: str}, train_lora.py's lora_metadata) goes into the header of both files. Main process
+    only."""
     from diffusers import StableDiffusionPipeline
+    from diffusers.loaders.lora_base import LORA_ADAPTER_METADATA_KEY
     from diffusers.utils import convert_state_dict_to_diffusers
     from peft.utils import get_peft_model_state_dict
     from safetensors.torch import save_file
@@ -234,19 +242,82 @@ def save_lora_weights(folder, lora_models, info, kohya=False):
     if "text_encoder" in states:
         text_encoder_layers = {text_encoder_key(key): value
                                for key, value in convert_state_dict_to_diffusers(states["text_encoder"]).items()}
+    header = {"format": "pt", **(metadata or {})}
+    # diffusers writes its adapter metadata only with its own save function: the same entry, written here beside ours
+    adapter_configs = {f"{name}.{key}": value for name, config in configs.items() for key, value in config.items()}
+    header[LORA_ADAPTER_METADATA_KEY] = json.dumps(adapter_configs, indent=2, sort_keys=True, default=sorted)
     StableDiffusionPipeline.save_lora_weights(
         # The UNet's keys stay in peft's format (lora_A/lora_B): converted, attention layers get diffusers' old
         # names (lora.down/lora.up) while convolutions keep peft's, and the loader then drops the attention ones
         # without an error (a LoRA on attention and convolutions would load half applied).
         folder, weight_name=LORA_WEIGHTS, unet_lora_layers=states["unet"],
         text_encoder_lora_layers=text_encoder_layers,
-        unet_lora_adapter_metadata=configs["unet"], text_encoder_lora_adapter_metadata=configs.get("text_encoder"))
+        save_function=lambda weights, path: save_file(weights, path, metadata=header))
     if kohya:
         weights = peft_to_kohya(states["unet"], info["lora_alpha"], "lora_unet")
         if "text_encoder" in states:  # transformers 5 dropped CLIPTextModel's `text_model.` level; kohya keeps it
             weights.update(peft_to_kohya(states["text_encoder"], info["lora_alpha"], "lora_te", "text_model."))
-        save_file(weights, os.path.join(folder, KOHYA_WEIGHTS), metadata={"format": "pt"})
+        save_file(weights, os.path.join(folder, KOHYA_WEIGHTS), metadata={"format": "pt", **(metadata or {})})
     write_lora_info(folder, info)
+
+
+def base_model_metadata(unet_config, prediction_type):
+    """What LoRA metadata says of a Stable Diffusion 1.x/2.x base: kohya's ss_base_model_version and ss_v2,
+    ModelSpec's architecture and prediction type. SD 2's UNet attends to 1024-wide text embeddings (SD 1's to 768);
+    a v-prediction base adds kohya's `_v`."""
+    v2, v = unet_config.get("cross_attention_dim") == 1024, prediction_type == "v_prediction"
+    architecture = ("stable-diffusion-v2-768-v" if v else "stable-diffusion-v2-512") if v2 else "stable-diffusion-v1"
+    return {"ss_base_model_version": ("sd_v2" if v2 else "sd_v1") + ("_v" if v else ""), "ss_v2": str(v2),
+            "modelspec.architecture": f"{architecture}/lora",
+            "modelspec.prediction_type": "v" if v else prediction_type}
+
+
+def lora_file_metadata(path):
+    """The `__metadata__` of a LoRA .safetensors file (or of a folder's pytorch_lora_weights.safetensors), without
+    torch; {} for a hub id or a file without any."""
+    file = os.path.join(path, LORA_WEIGHTS) if os.path.isdir(path) else path
+    if not os.path.isfile(file):
+        return {}
+    metadata = safetensors_header(file, "--lora").get("__metadata__")
+    return {str(key): str(value) for key, value in metadata.items()} if isinstance(metadata, dict) else {}
+
+
+def describe_lora(metadata):
+    """A few lines for people from a LoRA file's metadata: train_lora.py's keys, else kohya's ss_* and ModelSpec's
+    (LoRAs from kohya's sd-scripts and the tools that follow it). [] when it holds none of them."""
+    get = metadata.get
+    lines = []
+    base, version = get("base_model") or get("ss_sd_model_name"), get("ss_base_model_version")
+    resolution = get("modelspec.resolution") or get("ss_resolution")
+    if base or version or resolution:
+        lines.append(f"base model: {base or 'unknown'}" + (f" ({version})" if version else "")
+                     + (f", trained at {resolution}" if resolution else ""))
+    rank, alpha = get("rank") or get("ss_network_dim"), get("lora_alpha") or get("ss_network_alpha")
+    if rank:
+        targets = get("target_modules")
+        lines.append(f"rank {rank}, alpha {alpha or rank}" + (f", on {targets.replace(',', ', ')}" if targets else "")
+                     + (" and the text encoder" if get("text_encoder_target_modules") else ""))
+    steps, total = get("ss_steps"), get("ss_max_train_steps")
+    if steps or total:
+        dataset = get("dataset") or ", ".join(json_keys(get("ss_dataset_dirs")))
+        images = get("ss_num_train_images")
+        lines.append(f"trained {steps or '?'}" + (f" of {total}" if total and total != steps else "") + " steps"
+                     + (f" on {dataset}" if dataset else "") + (f" ({images} images)" if images else "")
+                     + (f", learning rate {get('ss_learning_rate')}" if get("ss_learning_rate") else "")
+                     + (f", {get('ss_optimizer')}" if get("ss_optimizer") else ""))
+    trigger = get("modelspec.trigger_phrase") or get("trigger")
+    if trigger:
+        lines.append(f"trigger: {trigger} (put it in the prompt)")
+    return lines
+
+
+def json_keys(text):
+    """The keys of a JSON object in a metadata string (kohya's ss_dataset_dirs); [] for anything else."""
+    try:
+        value = json.loads(text or "{}")
+    except ValueError:
+        return []
+    return list(value) if isinstance(value, dict) else []
 
 
 def text_encoder_key(key):

@@ -26,7 +26,7 @@ TINY = ["--max_train_samples", "64", "--train_batch_size", "8", "--max_train_ste
         "--rank", "4", "--lora_alpha", "8", "--learning_rate", "1e-2", "--train_text_encoder", "--text_encoder_lr",
         "5e-3", "--random_flip", "--caption_dropout_prob", "0.2", "--logging_steps", "1", "--validation_prompt",
         "a handwritten digit seven", "--validation_steps", "6", "--num_validation_images", "1",
-        "--validation_inference_steps", "2"]
+        "--validation_inference_steps", "2", "--caption_prefix", "sks style, "]
 KOHYA = "pytorch_lora_weights_kohya.safetensors"
 
 
@@ -126,6 +126,38 @@ def test_load_lora_weights_and_kohya_reproduce_the_trained_models(trained, tiny_
     assert "lora_te_text_model_encoder_layers_0_self_attn_q_proj.alpha" in keys
 
 
+def test_lora_files_carry_training_metadata(trained, tiny_sd, digits):
+    """What A1111, ComfyUI and the model sites read from a LoRA's header (kohya's ss_* keys, ModelSpec's), and this
+    recipe's own keys; in both files, and in each checkpoint's with its own step count. The adapter configs that
+    diffusers' loader reads stay beside them (the round trip above loads alpha from them)."""
+    from safetensors import safe_open
+
+    def metadata(path):
+        with safe_open(path, framework="pt") as f:
+            return f.metadata()
+
+    expected = {
+        "base_model": str(tiny_sd), "resolution": "32", "rank": "4", "lora_alpha": "8",
+        "target_modules": ",".join(TARGETS), "text_encoder_target_modules": "q_proj,k_proj,v_proj,out_proj",
+        "steps": "12", "dataset": str(digits), "trigger": "sks style",
+        "ss_base_model_version": "sd_v1", "ss_v2": "False", "ss_sd_model_name": "tiny-sd",
+        "ss_network_module": "networks.lora", "ss_network_dim": "4", "ss_network_alpha": "8.0",
+        "ss_resolution": "(32, 32)", "ss_steps": "12", "ss_max_train_steps": "12", "ss_learning_rate": "0.01",
+        "ss_unet_lr": "0.01", "ss_text_encoder_lr": "0.005", "ss_optimizer": "torch.optim.AdamW",
+        "ss_num_train_images": "64", "ss_dataset_dirs": json.dumps({"digits": {"n_repeats": 1, "img_count": 64}}),
+        "ss_output_name": "run", "ss_training_comment": "train_lora.py; trigger: sks style", "ss_cache_latents": "True",
+        "ss_flip_aug": "True", "ss_caption_dropout_rate": "0.2", "ss_mixed_precision": "no",
+        "modelspec.architecture": "stable-diffusion-v1/lora", "modelspec.resolution": "32x32",
+        "modelspec.trigger_phrase": "sks style", "modelspec.prediction_type": "epsilon", "modelspec.title": "run"}
+    for path in (trained / "pytorch_lora_weights.safetensors", trained / KOHYA):
+        found = metadata(path)
+        assert {key: found.get(key) for key in expected} == expected, path.name
+        assert all(isinstance(value, str) for value in found.values())
+    assert "lora_adapter_metadata" in metadata(trained / "pytorch_lora_weights.safetensors")
+    at_6 = metadata(trained / "checkpoint-6" / "pytorch_lora_weights.safetensors")
+    assert (at_6["ss_steps"], at_6["steps"], at_6["ss_max_train_steps"]) == ("6", "6", "12")
+
+
 @pytest.mark.parametrize("use_dora", [False, True])
 @pytest.mark.parametrize("unet_targets", [TARGETS, [*TARGETS, "proj_in", "conv1", "conv_in"]],
                          ids=["attention", "attention+conv"])
@@ -182,7 +214,7 @@ def test_training_loss_on_the_training_set_falls(trained, tiny_sd, digits):
             latents = pipe.vae.encode(pixels).latent_dist.mean * pipe.vae.config.scaling_factor
             noise = torch.randn(latents.shape, generator=g)
             timesteps = torch.randint(0, 1000, (len(rows),), generator=g)
-            ids = pipe.tokenizer([r["text"] for r in rows], padding="max_length", max_length=77,
+            ids = pipe.tokenizer(["sks style, " + r["text"] for r in rows], padding="max_length", max_length=77,
                                  return_tensors="pt").input_ids
             pred = pipe.unet(pipe.scheduler.add_noise(latents, noise, timesteps), timesteps,
                              pipe.text_encoder(ids)[0]).sample
@@ -313,12 +345,18 @@ def test_bad_input_is_one_line_and_writes_nothing(trained, digits, tiny_sd, tmp_
     assert sorted(p.name for p in out.iterdir()) == ["checkpoint-6"]
 
 
-def test_sample_py_with_a_train_lora_output_and_another_lora(trained, tmp_path):
+def test_sample_py_with_a_train_lora_output_and_another_lora(trained, tiny_sd, digits, tmp_path):
     samples = tmp_path / "samples"
     proc = run_script("sample.py", "--model", trained, "--lora", f"{trained / KOHYA}:0.5", "--prompt", "a digit one",
                       "--prompt", "a handwritten digit seven", "--num_images", "2", "--num_inference_steps", "3",
                       "--scheduler", "euler_a", "--negative_prompt", "blurry", "--output_dir", samples)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    # Each LoRA's training metadata, one short block before the images.
+    assert proc.stdout.startswith(f"LoRA {trained} (scale 1):\n  base model: {tiny_sd} (sd_v1), trained at 32x32\n"
+                                  "  rank 4, alpha 8, on to_k, to_q, to_v, to_out.0 and the text encoder\n"
+                                  f"  trained 12 steps on {digits} (64 images), learning rate 0.01, torch.optim.AdamW\n"
+                                  "  trigger: sks style (put it in the prompt)\n"
+                                  f"LoRA {trained / KOHYA} (scale 0.5):\n"), proc.stdout
     from PIL import Image
 
     images = sorted(samples.glob("0*.png"))
