@@ -141,7 +141,8 @@ test: lint
 	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests $(ARGS)
 
 # Each recipe against a hand-written reference loop, --help latency, sample.py images/s (tests/benchmarks/):
-# one table, and outputs/bench/results.json. About 5 min on 2 CPU cores (3 repeats); BENCH_ARGS="--repeats 1" for a quick look.
+# one table, and outputs/bench/results.json. About 5 min on 2 CPU cores (3 repeats), plus about 5 for lora_buckets and
+# lora_square (aspect-ratio buckets against square crops); BENCH_ARGS="--repeats 1" for a quick look.
 .PHONY: bench
 BENCH_ARGS ?=
 bench: data $(TINY_SD)

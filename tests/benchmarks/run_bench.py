@@ -1,5 +1,6 @@
 """`make bench`: steps/s, samples/s, peak RSS and time to first step of each recipe against its reference loop,
-train_lora.py's --cache_latents speed-up, sample.py images/s and `--help` latency; one table, and the same data in
+train_lora.py's --cache_latents speed-up, its aspect-ratio buckets against square crops (steps/s, and one batch
+through the data path), sample.py images/s and `--help` latency; one table, and the same data in
 outputs/bench/results.json.
 
     .venv/bin/python tests/benchmarks/run_bench.py [--repeats 1] [--only classifier,ddpm]
@@ -7,7 +8,8 @@ outputs/bench/results.json.
 Each measurement is a fresh process; the recipe is launched as users launch it (`accelerate launch`, the settings
 of workloads.toml). Steady-state steps/s comes from the recipe's own progress bar: the runner timestamps each
 tqdm update as it arrives, so one run gives the rate between step `warmup` and the last step, without start-up,
-evaluation or saving. Recipe and reference runs alternate; the medians over the repeats are reported.
+evaluation or saving. Recipe and reference runs alternate; the medians over the repeats are reported. A workload
+with `reference = false` (lora_buckets, lora_square: compared with each other) runs the recipe alone.
 """
 import argparse
 import datetime
@@ -16,6 +18,7 @@ import json
 import os
 import platform
 import re
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -26,7 +29,12 @@ import tomllib
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 OUT = os.path.join(ROOT, "outputs", "bench")
+sys.path.insert(0, HERE)
+
+import mixed_aspect  # noqa: E402  (tests/benchmarks/mixed_aspect.py: the data of lora_buckets and lora_square)
+
 PROGRESS = re.compile(rb"steps:\s+\d+%\|[^|\r\n]*\|\s*(\d+)/(\d+)")  # tqdm's "steps:  43%|####  | 10/23"
+BUCKETS, SQUARE = "lora_buckets", "lora_square"  # --buckets auto against square center crops of the same images
 
 
 def bench_env(config):
@@ -104,7 +112,7 @@ def recipe_run(name, w, config, launcher, env, tag, root=OUT):
         results = json.load(f)
     return {"steps_per_second": rate, "steps_per_cpu_second": cpu_rate, "samples_per_second": rate * w["batch_size"],
             "peak_rss_mb": results["peak_memory_mb"], "first_step_s": seen[first][0] - (first - 1) / rate,
-            "wall_s": wall, "timed_steps": timed_steps}
+            "wall_s": wall, "timed_steps": timed_steps, "load_average_1min": os.getloadavg()[0]}
 
 
 def reference_run(name, w, env, tag):
@@ -119,7 +127,7 @@ def reference_run(name, w, env, tag):
     return {"steps_per_second": result["steps_per_second"], "steps_per_cpu_second": result["steps_per_cpu_second"],
             "samples_per_second": result["steps_per_second"] * w["batch_size"],
             "peak_rss_mb": round(result["peak_rss_mb"], 1), "first_step_s": result["first_step_at"] - launched,
-            "wall_s": time.time() - launched}
+            "wall_s": time.time() - launched, "load_average_1min": os.getloadavg()[0]}
 
 
 # sample.py as users run it, plus a timer around its sampling loop (common.diffusion.sample_images), so that
@@ -181,11 +189,41 @@ def median_of(runs, key):
     return None if None in values else statistics.median(values)
 
 
+def has_reference(workload):
+    return workload.get("reference", True)
+
+
+def run_workloads(config, names, repeats, recipe, reference, after_repeat=None):
+    """Each workload `repeats` times: recipe(name, workload, r) and, where the workload has a reference loop,
+    reference(name, workload, r) back to back, the side that goes first alternating; the workloads in reverse order
+    every other repeat (lora_buckets and lora_square are compared with each other). after_repeat(r) after each
+    repeat. -> {name: {"recipe": [runs], "reference": [runs, or none]}}."""
+    runs = {name: {"recipe": [], "reference": []} for name in names}
+    for r in range(repeats):
+        for name in names if r % 2 == 0 else names[::-1]:
+            w = config["workloads"][name]
+            order = ["recipe", "reference"] if r % 2 == 0 else ["reference", "recipe"]  # no side always first
+            for kind in order:
+                if kind == "reference" and not has_reference(w):
+                    continue
+                print(f"repeat {r + 1}/{repeats}: {name} {kind} ...", flush=True)
+                run = recipe(name, w, r) if kind == "recipe" else reference(name, w, r)
+                runs[name][kind].append(run)
+                print(f"    {run['steps_per_second']:.2f} steps/s, first step {run['first_step_s']:.1f} s, load "
+                      f"average {run['load_average_1min']:.1f}", flush=True)
+        if after_repeat:
+            after_repeat(r)
+    return runs
+
+
 def summarize(runs, targets):
-    """Medians; a recipe's ratio is the median of its per-repeat ratios (each pair ran back to back)."""
+    """Medians; a recipe's ratio is the median of its per-repeat ratios (each pair ran back to back). Workloads
+    that ran without a reference loop are left out (recipe_only)."""
     workloads = {}
     for name, pair in runs.items():
         recipe, reference = pair["recipe"], pair["reference"]
+        if not reference:
+            continue
         ratios = [r["steps_per_second"] / f["steps_per_second"] for r, f in zip(recipe, reference)]
         cpu_ratios = (None if median_of(recipe + reference, "steps_per_cpu_second") is None else
                       [r["steps_per_cpu_second"] / f["steps_per_cpu_second"] for r, f in zip(recipe, reference)])
@@ -196,6 +234,25 @@ def summarize(runs, targets):
             "cpu_time_ratio_to_reference": cpu_ratios and statistics.median(cpu_ratios),
             "pass": statistics.median(ratios) >= targets["min_ratio_to_reference"], "runs": pair}
     return workloads
+
+
+def recipe_only(runs):
+    """Medians of the workloads that ran without a reference loop."""
+    return {name: {"recipe": {key: median_of(pair["recipe"], key) for key in pair["recipe"][0]}, "runs": pair["recipe"]}
+            for name, pair in runs.items() if not pair["reference"]}
+
+
+def bucket_ratio(runs, targets):
+    """lora_buckets' steps/s against lora_square's: the median of the per-repeat ratios (each pair in one repeat);
+    the same of steps per CPU second beside it (less moved by other jobs on the machine)."""
+    pairs = list(zip(runs[BUCKETS]["recipe"], runs[SQUARE]["recipe"]))
+    ratios = [b["steps_per_second"] / s["steps_per_second"] for b, s in pairs]
+    cpu_ratios = (None if median_of(runs[BUCKETS]["recipe"] + runs[SQUARE]["recipe"], "steps_per_cpu_second") is None
+                  else [b["steps_per_cpu_second"] / s["steps_per_cpu_second"] for b, s in pairs])
+    ratio = statistics.median(ratios)
+    medians = {name: median_of(runs[name]["recipe"], "steps_per_second") for name in (BUCKETS, SQUARE)}
+    return {"ratio": ratio, "ratios": ratios, "pass": ratio >= targets["min_bucket_ratio"], "steps_per_second": medians,
+            "cpu_time_ratio": cpu_ratios and statistics.median(cpu_ratios), "cpu_time_ratios": cpu_ratios}
 
 
 def markdown_table(header, rows):
@@ -225,6 +282,26 @@ def table(results):
         s = results["lora_cache_speedup"]
         rows.append(["lora cached / uncached", f"{s['recipe']:.2f}x", f"{s['reference']:.2f}x", "",
                      f">= {t['min_lora_cache_speedup']}x", ok[s["pass"]], "", "", ""])
+    data_path = results.get("data_path", {})
+    for name, w in results.get("recipe_only", {}).items():
+        r, pixels = w["recipe"], data_path.get(name, {}).get("pixels_per_sample")
+        rows.append([name if pixels is None else f"{name} ({pixels:.0f} px a sample)",
+                     f"{r['steps_per_second']:.2f} steps/s", "none", "", "", "", f"{r['samples_per_second']:.0f}",
+                     f"{r['peak_rss_mb']:.0f}", f"{r['first_step_s']:.1f}"])
+    if "bucket_ratio" in results:
+        b = results["bucket_ratio"]
+        cpu = "" if b.get("cpu_time_ratio") is None else f"per CPU second: {b['cpu_time_ratio']:.3f}"
+        rows.append(["lora buckets / square", f"{b['steps_per_second'][BUCKETS]:.2f} / "
+                     f"{b['steps_per_second'][SQUARE]:.2f} steps/s", cpu, f"{b['ratio']:.3f}",
+                     f">= {t['min_bucket_ratio']}", ok[b["pass"]], "", "", ""])
+    timed = [name for name in (BUCKETS, SQUARE) if "random_flip_off" in data_path.get(name, {})]
+    for flip in ("off", "on") if timed else ():
+        us = [data_path[name][f"random_flip_{flip}"]["median_us"] for name in timed]
+        rows.append([f"data path, a batch of {data_path[timed[0]]['batch_size']}"
+                     f"{', --random_flip' if flip == 'on' else ''}: "
+                     + " / ".join({BUCKETS: "buckets", SQUARE: "square"}[name] for name in timed),
+                     " / ".join(f"{u:.0f}" for u in us) + " us", "", f"{us[0] / us[1]:.2f}" if len(us) == 2 else "",
+                     "", "", "", "", ""])
     if "sample" in results:
         s = results["sample"]
         rows.append([f"sample.py {s['num_images']} images x {s['steps']} steps",
@@ -244,6 +321,8 @@ def main():
     parser.add_argument("--only", default=None, help="Comma-separated workload names (default: all).")
     parser.add_argument("--no_sample", action="store_true")
     parser.add_argument("--no_help", action="store_true")
+    parser.add_argument("--no_data_path", action="store_true",
+                        help="Do not time lora_buckets' and lora_square's data path (their pixel counts still).")
     args = parser.parse_args()
     with open(args.config, "rb") as f:
         config = tomllib.load(f)
@@ -252,31 +331,46 @@ def main():
     env = bench_env(config)
     launcher = accelerate_cli()
     os.makedirs(os.path.join(OUT, "logs"), exist_ok=True)
-    results = {"machine": machine_facts(), "repeats": repeats, "targets": config["targets"],
+    results = {"machine": machine_facts(), "command": shlex.join([os.path.relpath(__file__, ROOT), *sys.argv[1:]]),
+               "repeats": repeats, "targets": config["targets"],
                "launch": " ".join(["accelerate", *config["launch"]]), "env": config["env"]}
 
     if not args.no_help:
         print("--help latency ...", flush=True)
         results["help"] = help_latency(config, env)
-    runs = {name: {"recipe": [], "reference": []} for name in names}
+    bucketed = [name for name in (BUCKETS, SQUARE) if name in names]
+    if bucketed:  # their images (once), then their data path, in this process
+        mixed = config["mixed_aspect"]
+        if mixed_aspect.write_mixed_aspect(os.path.join(ROOT, mixed["source"]), os.path.join(ROOT, mixed["output"]),
+                                           mixed["canvases"]):
+            print(f"wrote {mixed['output']} (the digits on {', '.join(f'{w}x{h}' for w, h in mixed['canvases'])} "
+                  "canvases)", flush=True)
+        results["data_path"] = {}
+        for name in bucketed:
+            print(f"data path: {name} ...", flush=True)
+            batches = 0 if args.no_data_path else config["data_path"]["batches"]
+            results["data_path"][name] = cost = mixed_aspect.data_path_cost(config["workloads"][name]["args"],
+                                                                            batches)
+            timed = [f"--random_flip {flip}: {cost[f'random_flip_{flip}']['median_us']:.0f} us a batch"
+                     for flip in ("off", "on") if f"random_flip_{flip}" in cost]
+            print(f"    {cost['pixels_per_sample']:.0f} px a sample; {', '.join(timed)}", flush=True)
     samples = []
-    for r in range(repeats):
-        for name in names:
-            w = config["workloads"][name]
-            order = ["recipe", "reference"] if r % 2 == 0 else ["reference", "recipe"]  # no side always first
-            for kind in order:
-                print(f"repeat {r + 1}/{repeats}: {name} {kind} ...", flush=True)
-                run = (recipe_run(name, w, config, launcher, env, r) if kind == "recipe"
-                       else reference_run(name, w, env, r))
-                runs[name][kind].append(run)
-                print(f"    {run['steps_per_second']:.2f} steps/s, first step {run['first_step_s']:.1f} s", flush=True)
+
+    def after_repeat(r):
         if "ddpm" in names and not args.no_sample:  # sample.py on this repeat's DDPM output
             samples.append(sample_run(config, env, r))
             print(f"repeat {r + 1}/{repeats}: sample.py: {samples[-1]['wall_s']:.1f} s, of which sampling "
                   f"{samples[-1]['sampling_s']:.1f} s", flush=True)
 
+    runs = run_workloads(config, names, repeats, lambda name, w, r: recipe_run(name, w, config, launcher, env, r),
+                         lambda name, w, r: reference_run(name, w, env, r), after_repeat)
+
     t = config["targets"]
     results["workloads"] = summarize(runs, t)
+    if recipe_only(runs):
+        results["recipe_only"] = recipe_only(runs)
+    if {BUCKETS, SQUARE} <= set(names):
+        results["bucket_ratio"] = bucket_ratio(runs, t)
     if {"lora_cached", "lora_uncached"} <= set(names):
         speedup = {kind: statistics.median(c["steps_per_second"] / u["steps_per_second"] for c, u in
                                            zip(runs["lora_cached"][kind], runs["lora_uncached"][kind]))
