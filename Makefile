@@ -2,6 +2,9 @@
 # CONFIG=  accelerate yaml (default: single_gpu.yaml when a GPU is visible, else cpu.yaml)
 # ARGS=    extra flags for the script        OUTPUT=  output folder
 # MAIN_PORT=  the port of a multi-process launch (accelerate's default: 29500)
+# Several machines (accelerate_configs/multi_node.yaml; the same command on each, the main one first):
+# MACHINE_RANK=  this machine's rank (0: the main one)   MAIN_IP=  the main machine's IP
+# NUM_MACHINES=  how many machines   NUM_PROCESSES=  processes on all of them together (GPUs per machine x machines)
 SHELL := /bin/bash
 # Let Python cache compiled modules in .venv: without .pyc files every process compiles diffusers/transformers
 # from source again (tens of seconds per process). The install skips compiling; the first run writes them.
@@ -19,7 +22,9 @@ LAUNCH_ENV := $(if $(findstring cpu,$(notdir $(CONFIG))),ACCELERATE_USE_CPU=1 $(
 # `accelerate launch` through common/launch.py: a script's one error line stays the last word (no launcher traceback),
 # and a Ctrl-C waits for the checkpoint the training processes write.
 LAUNCH := $(LAUNCH_ENV) $(PY) -m common.launch --config_file $(CONFIG) \
-  $(if $(MAIN_PORT),--main_process_port $(MAIN_PORT),)
+  $(if $(MAIN_PORT),--main_process_port $(MAIN_PORT),) $(if $(MAIN_IP),--main_process_ip $(MAIN_IP),) \
+  $(if $(MACHINE_RANK),--machine_rank $(MACHINE_RANK),) $(if $(NUM_MACHINES),--num_machines $(NUM_MACHINES),) \
+  $(if $(NUM_PROCESSES),--num_processes $(NUM_PROCESSES),)
 ARGS ?=
 DIGITS := data/digits/train/metadata.jsonl
 
