@@ -99,8 +99,10 @@ def one_line(err, limit=300):
 def _exit_with(message, rank_one_too=False):
     """One line, not one per process; `rank_one_too`: for the errors the main process need not see (a wait for it
     that timed out), rank 1 says it."""
-    if _is_rank_zero() or (rank_one_too and os.environ.get("RANK") == "1"):
+    if _is_rank_zero():
         print(f"error: {message}", file=sys.stderr, flush=True)
+    elif rank_one_too and os.environ.get("RANK") == "1":  # on a line of its own, not after the main one's progress bar
+        print(f"\nerror: {message}", file=sys.stderr, flush=True)
     sys.exit(2)
 
 
