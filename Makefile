@@ -28,7 +28,7 @@ LAUNCH := $(LAUNCH_ENV) $(PY) -m common.launch --config_file $(CONFIG) \
 ARGS ?=
 DIGITS := data/digits/train/metadata.jsonl
 
-.PHONY: install lint data env tiny-sd-base train-text-to-image train-classifier train-ddpm sample-ddpm tiny-sd train-lora sample-lora inspect test clean
+.PHONY: install install-deepspeed lint data env tiny-sd-base train-text-to-image train-classifier train-ddpm sample-ddpm tiny-sd train-lora sample-lora inspect test clean
 
 install: $(VENV)/.installed
 $(VENV)/.installed: requirements.txt
@@ -36,6 +36,10 @@ $(VENV)/.installed: requirements.txt
 	set -o pipefail; $(PY) -m pip install --quiet --disable-pip-version-check --no-compile -r requirements.txt \
 	  2>&1 | { grep -v "is ignored: it is neither a file nor a directory" || true; }
 	touch $@
+
+# DeepSpeed (accelerate_configs/deepspeed_zero2.yaml), for GPU machines: not in requirements.txt, nothing here needs it.
+install-deepspeed: install
+	$(PY) -m pip install --quiet --disable-pip-version-check -r requirements-deepspeed.txt
 
 RED_DIGITS := data/digits-red-ink/train/metadata.jsonl
 CAPTION_DIGITS := data/digits-captions/0

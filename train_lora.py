@@ -146,7 +146,7 @@ def main(args):
     from tqdm.auto import tqdm
 
     from common.checkpoints import checkpoint_step, load_checkpoint, register_state_hooks, save_checkpoint
-    from common.distributed import process_group_kwargs
+    from common.distributed import match_deepspeed_config, process_group_kwargs
     from common.preemption import PreemptionGuard
     from common.reporting import init_trackers, log_with, write_all_results, write_model_card
     from common.training import build_lr_scheduler, build_param_groups, finite_step, plan_steps, resume_position
@@ -162,6 +162,7 @@ def main(args):
         kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=args.find_unused_parameters),
                          process_group_kwargs(args.ddp_timeout)],  # how long the others wait for the main process
     )
+    match_deepspeed_config(accelerator, args.gradient_accumulation_steps, args.max_grad_norm)
     logger = get_logger(__name__, log_level="INFO")
     set_seed(args.seed)
     # SIGTERM/SIGINT from here on (start-up included) stop the run after a complete, saved optimizer step.
