@@ -2,6 +2,9 @@
 # CONFIG=  accelerate yaml (default: single_gpu.yaml when a GPU is visible, else cpu.yaml)
 # ARGS=    extra flags for the script        OUTPUT=  output folder
 # MAIN_PORT=  the port of a multi-process launch (accelerate's default: 29500)
+# Several machines (accelerate_configs/multi_node.yaml; the same command on each, the main one first):
+# MACHINE_RANK=  this machine's rank (0: the main one)   MAIN_IP=  the main machine's IP
+# NUM_MACHINES=  how many machines   NUM_PROCESSES=  processes on all of them together (GPUs per machine x machines)
 SHELL := /bin/bash
 # Let Python cache compiled modules in .venv: without .pyc files every process compiles diffusers/transformers
 # from source again (tens of seconds per process). The install skips compiling; the first run writes them.
@@ -19,11 +22,13 @@ LAUNCH_ENV := $(if $(findstring cpu,$(notdir $(CONFIG))),ACCELERATE_USE_CPU=1 $(
 # `accelerate launch` through common/launch.py: a script's one error line stays the last word (no launcher traceback),
 # and a Ctrl-C waits for the checkpoint the training processes write.
 LAUNCH := $(LAUNCH_ENV) $(PY) -m common.launch --config_file $(CONFIG) \
-  $(if $(MAIN_PORT),--main_process_port $(MAIN_PORT),)
+  $(if $(MAIN_PORT),--main_process_port $(MAIN_PORT),) $(if $(MAIN_IP),--main_process_ip $(MAIN_IP),) \
+  $(if $(MACHINE_RANK),--machine_rank $(MACHINE_RANK),) $(if $(NUM_MACHINES),--num_machines $(NUM_MACHINES),) \
+  $(if $(NUM_PROCESSES),--num_processes $(NUM_PROCESSES),)
 ARGS ?=
 DIGITS := data/digits/train/metadata.jsonl
 
-.PHONY: install lint data env tiny-sd-base train-text-to-image train-classifier train-ddpm sample-ddpm tiny-sd train-lora sample-lora inspect test clean
+.PHONY: install install-extras install-deepspeed lint data env tiny-sd-base train-text-to-image train-classifier train-ddpm sample-ddpm tiny-sd train-lora sample-lora inspect test clean
 
 install: $(VENV)/.installed
 $(VENV)/.installed: requirements.txt
@@ -33,10 +38,14 @@ $(VENV)/.installed: requirements.txt
 	touch $@
 
 # The optional packages (requirements-extras.txt): bitsandbytes for --optimizer adamw8bit, on a CUDA GPU.
-.PHONY: install-extras
 install-extras: install
 	set -o pipefail; $(PY) -m pip install --quiet --disable-pip-version-check --no-compile \
 	  -r requirements-extras.txt 2>&1 | { grep -v "is ignored: it is neither a file nor a directory" || true; }
+
+# DeepSpeed (accelerate_configs/deepspeed_zero2.yaml), for GPU machines: not in requirements.txt, nothing here needs it.
+install-deepspeed: install
+	set -o pipefail; $(PY) -m pip install --quiet --disable-pip-version-check --no-compile \
+	  -r requirements-deepspeed.txt 2>&1 | { grep -v "is ignored: it is neither a file nor a directory" || true; }
 
 RED_DIGITS := data/digits-red-ink/train/metadata.jsonl
 CAPTION_DIGITS := data/digits-captions/0

@@ -20,7 +20,7 @@ Image + text (the modules image_model, text_model and head take their own learni
     ... --text_column text --text_model_name_or_path google-bert/bert-base-uncased \
         --lr_groups image_model=2e-5,text_model=4e-5
 
-Copy with: common/__init__.py, common/args.py, common/checkpoints.py, common/classifier_metrics.py, common/cli.py, common/image_data.py, common/image_text_model.py, common/optimizers.py, common/preemption.py, common/reporting.py, common/training.py
+Copy with: common/__init__.py, common/args.py, common/checkpoints.py, common/classifier_metrics.py, common/cli.py, common/distributed.py, common/image_data.py, common/image_text_model.py, common/optimizers.py, common/preemption.py, common/reporting.py, common/training.py
 """  # noqa: E501 (the copy list stays one line, for grep)
 import argparse
 import math
@@ -91,6 +91,7 @@ def main(args):
     from tqdm.auto import tqdm
 
     from common.checkpoints import checkpoint_step, load_checkpoint, register_state_hooks, save_checkpoint
+    from common.distributed import match_deepspeed_config, process_group_kwargs
     from common.optimizers import build_optimizer
     from common.preemption import PreemptionGuard
     from common.reporting import init_trackers, log_with, write_all_results, write_model_card
@@ -104,8 +105,10 @@ def main(args):
         project_config=ProjectConfiguration(project_dir=args.output_dir,
                                             logging_dir=os.path.join(args.output_dir, args.logging_dir)),
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),  # same order on resume
-        kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=args.find_unused_parameters)],
+        kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=args.find_unused_parameters),
+                         process_group_kwargs(args.ddp_timeout)],  # how long the others wait for the main process
     )
+    match_deepspeed_config(accelerator, args.gradient_accumulation_steps, args.max_grad_norm)
     logger = get_logger(__name__, log_level="INFO")
     set_seed(args.seed)
     # SIGTERM/SIGINT from here on (start-up included) stop the run after a complete, saved optimizer step.

@@ -27,7 +27,7 @@ Several GPUs (or `make train-lora CONFIG=accelerate_configs/multi_gpu.yaml ARGS=
     accelerate launch --config_file accelerate_configs/multi_gpu.yaml train_lora.py <the same flags>
 Then:  python sample.py --model outputs/lora-naruto --prompt "a girl with pink hair"
 
-Copy with: common/__init__.py, common/args.py, common/buckets.py, common/caption_files.py, common/checkpoints.py, common/cli.py, common/diffusion.py, common/image_data.py, common/optimizers.py, common/preemption.py, common/reporting.py, common/stable_diffusion.py, common/training.py, common/validation_loss.py
+Copy with: common/__init__.py, common/args.py, common/buckets.py, common/caption_files.py, common/checkpoints.py, common/cli.py, common/diffusion.py, common/distributed.py, common/image_data.py, common/optimizers.py, common/preemption.py, common/reporting.py, common/stable_diffusion.py, common/training.py, common/validation_loss.py
 """  # noqa: E501 (the copy list stays one line, for grep)
 import json
 import math
@@ -155,6 +155,7 @@ def main(args):
     from tqdm.auto import tqdm
 
     from common.checkpoints import checkpoint_step, load_checkpoint, register_state_hooks, save_checkpoint
+    from common.distributed import match_deepspeed_config, process_group_kwargs
     from common.optimizers import build_optimizer
     from common.preemption import PreemptionGuard
     from common.reporting import init_trackers, log_with, write_all_results, write_model_card
@@ -168,8 +169,10 @@ def main(args):
         project_config=ProjectConfiguration(project_dir=args.output_dir,
                                             logging_dir=os.path.join(args.output_dir, args.logging_dir)),
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),  # same order on resume
-        kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=args.find_unused_parameters)],
+        kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=args.find_unused_parameters),
+                         process_group_kwargs(args.ddp_timeout)],  # how long the others wait for the main process
     )
+    match_deepspeed_config(accelerator, args.gradient_accumulation_steps, args.max_grad_norm)
     logger = get_logger(__name__, log_level="INFO")
     set_seed(args.seed)
     # SIGTERM/SIGINT from here on (start-up included) stop the run after a complete, saved optimizer step.

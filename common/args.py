@@ -141,6 +141,10 @@ def add_training_args(parser, *, output_dir, learning_rate, train_batch_size, nu
     g.add_argument("--mixed_precision", default=None, choices=MIXED_PRECISION,
                    help="Overrides the accelerate config's mixed precision.")
     g.add_argument("--allow_tf32", action="store_true", help="TF32 matmuls on Ampere+ GPUs.")
+    g.add_argument("--ddp_timeout", type=positive_int, default=1800,
+                   help="Seconds a process waits for the others before the run fails: the main process validates, "
+                        "samples and saves while the others wait. With several machines, also how long the launcher "
+                        "(make, python -m common.launch) waits for the other machines to join.")
     g.add_argument("--find_unused_parameters", action="store_true",
                    help="DDP: for models with parameters that get no gradient in a step (unused branches).")
     g.add_argument("--skip_nonfinite_steps", action="store_true",

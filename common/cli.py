@@ -61,11 +61,19 @@ def run(main, parse_args, argv=None):
     # A handler for the scripts' own INFO loggers; libraries keep their WARNING levels.
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     quiet_libraries()
+    args = None
     try:
-        main(parse_args(argv))
+        args = parse_args(argv)
+        main(args)
     except UserError as err:
         _exit_with(_one_line(str(err)))
     except Exception as err:  # a full disk or a read-only folder is the user's to fix, not a bug: one line too
+        if _distributed_error(err, r"timed out|timeout"):
+            _exit_with(_timeout_message(err, getattr(args, "ddp_timeout", None)), rank_one_too=True)
+        if _distributed_error(err, r"closed by peer|reset by peer|remote worker"):  # not this process's failure
+            print(f"process {os.environ.get('RANK', '?')} stopped: another process failed (its message is above)",
+                  file=sys.stderr, flush=True)
+            sys.exit(1)
         reason = write_error_reason(err)
         if reason is None:
             raise
@@ -88,10 +96,34 @@ def one_line(err, limit=300):
     return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
-def _exit_with(message):
-    if _is_rank_zero():  # one line, not one per process
+def _exit_with(message, rank_one_too=False):
+    """One line, not one per process; `rank_one_too`: for the errors the main process need not see (a wait for it
+    that timed out), rank 1 says it."""
+    if _is_rank_zero():
         print(f"error: {message}", file=sys.stderr, flush=True)
+    elif rank_one_too and os.environ.get("RANK") == "1":  # on a line of its own, not after the main one's progress bar
+        print(f"\nerror: {message}", file=sys.stderr, flush=True)
     sys.exit(2)
+
+
+def _distributed_error(err, pattern):
+    """True when `err` is raised by torch.distributed (a collective, a barrier, the process group's start) and its
+    message matches `pattern`: gloo raises a peer's timeout as a RuntimeError "Timed out waiting 3000ms for recv
+    operation", a peer that died as "Connection closed by peer"."""
+    tb, last = err.__traceback__, ""
+    while tb is not None:
+        last, tb = tb.tb_frame.f_code.co_filename, tb.tb_next
+    in_distributed = f"{os.sep}torch{os.sep}distributed{os.sep}" in last
+    return in_distributed and isinstance(err, RuntimeError) and bool(re.search(pattern, str(err), re.I))
+
+
+def _timeout_message(err, ddp_timeout):
+    limit = f"--ddp_timeout ({ddp_timeout} s)" if ddp_timeout else "the process group's timeout"
+    rank = os.environ.get("RANK", "?")
+    detail = re.sub(r"^\[[^\]]*\]\s*", "", first_line(err, 300))[:120]  # gloo's message starts with its source file
+    return (f"process {rank} waited longer than {limit} for the other processes ({detail}): the main "
+            "process validates, samples and saves while the others wait; raise --ddp_timeout, or make the validation "
+            "shorter (fewer --num_validation_images or --validation_inference_steps)")
 
 
 def _one_line(message):

@@ -60,6 +60,33 @@ def launch(script, *args, config="cpu.yaml", cwd=ROOT, env=None, timeout=900, ch
     return proc
 
 
+def launch_nodes(script, *args, config="cpu_multi_node.yaml", timeout=600, node_args=None, launcher="accelerate"):
+    """The same `accelerate launch` on two "machines" of this one (machine_rank 0 and 1, 127.0.0.1, one free port),
+    started together; -> [CompletedProcess of machine 0, of machine 1]. `node_args`: {rank: extra script args};
+    launcher "common": through `python -m common.launch`, as `make` runs it. Both are killed when one outlives
+    `timeout` (raised as subprocess.TimeoutExpired), with the processes they started."""
+    port = str(free_port())
+    procs = []
+    for rank in (0, 1):
+        cmd = launch_command(script, *args, *(node_args or {}).get(rank, ()), config=config,
+                             launch_args=["--main_process_port", port, "--machine_rank", str(rank)])
+        if launcher == "common":
+            cmd[1:3] = ["-m", "common.launch"]
+        procs.append((cmd, subprocess.Popen(cmd, cwd=ROOT, env=offline_env(), stdout=subprocess.PIPE,
+                                            stderr=subprocess.PIPE, text=True, start_new_session=True)))
+    deadline, results = time.time() + timeout, []
+    try:
+        for cmd, proc in procs:
+            stdout, stderr = proc.communicate(timeout=max(1, deadline - time.time()))
+            results.append(subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr))
+    finally:
+        for _, proc in procs:
+            if proc.poll() is None:  # the launcher and the training processes it started
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.communicate()
+    return results
+
+
 def run_script(script, *args, cwd=ROOT, env=None, timeout=600):
     """`python <script> <args>` without accelerate launch (for --help and bad-input cases)."""
     cmd = [sys.executable, str(Path(cwd) / script), *map(str, args)]

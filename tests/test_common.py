@@ -279,6 +279,43 @@ def test_every_accelerate_config_loads_with_accelerate():
     assert load_config_from_file(str(CONFIGS / "cpu_2proc.yaml")).num_processes == 2
 
 
+def test_no_accelerate_config_contradicts_the_scripts_flags():
+    """Mixed precision: a value --mixed_precision also takes (the flag wins over the yaml). DeepSpeed's accumulation
+    and clipping: left to the scripts' --gradient_accumulation_steps and --max_grad_norm (absent, or `auto`)."""
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    from common.args import MIXED_PRECISION
+
+    for path in sorted(glob.glob(str(CONFIGS / "*.yaml"))):
+        config = load_config_from_file(path)
+        assert config.mixed_precision in MIXED_PRECISION, path
+        for key in ("gradient_accumulation_steps", "gradient_clipping"):
+            assert (config.deepspeed_config or {}).get(key, "auto") == "auto", (path, key)
+            assert key not in (config.fsdp_config or {}), (path, key)
+
+
+def test_deepspeed_accumulation_and_clipping_come_from_the_flags():
+    """What accelerate builds from deepspeed_zero2.yaml (no deepspeed needed to build it): `auto` values, filled from
+    the flags by the scripts; a value the yaml sets otherwise is one line."""
+    from types import SimpleNamespace
+
+    from accelerate.commands.config.config_args import load_config_from_file
+    from accelerate.utils import DeepSpeedPlugin
+
+    from common.distributed import match_deepspeed_config
+
+    yaml = load_config_from_file(str(CONFIGS / "deepspeed_zero2.yaml")).deepspeed_config
+    plugin = DeepSpeedPlugin(zero_stage=yaml["zero_stage"], gradient_accumulation_steps=yaml.get(
+        "gradient_accumulation_steps"), gradient_clipping=yaml.get("gradient_clipping"))
+    match_deepspeed_config(SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=plugin)), 4, 0.5)
+    assert plugin.deepspeed_config["gradient_accumulation_steps"] == 4
+    assert plugin.deepspeed_config["gradient_clipping"] == 0.5
+    fixed = DeepSpeedPlugin(zero_stage=2, gradient_accumulation_steps=1, gradient_clipping=1.0)
+    with pytest.raises(UserError, match="gradient_accumulation_steps: 1 where --gradient_accumulation_steps is 4"):
+        match_deepspeed_config(SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=fixed)), 4, 1.0)
+    match_deepspeed_config(SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=None)), 4, 0.5)  # not DeepSpeed
+
+
 def test_unreadable_accelerate_config(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("distributed_type: [oops\n  : :")
@@ -369,3 +406,12 @@ def test_dtype_and_device_from_their_flags():
     assert device_and_dtype("cpu", "bf16") == (torch.device("cpu"), torch.bfloat16)
     assert device_and_dtype("cuda")[1] == torch.float16  # a device is only named here, nothing is allocated on it
     assert lora_dtypes("fp16") == (torch.float16, torch.float32) and lora_dtypes("no") == (torch.float32,) * 2
+
+
+def test_the_launcher_waits_for_other_machines_as_long_as_ddp_timeout():
+    from common.launch import with_rdzv_timeout
+
+    assert with_rdzv_timeout("", ["--ddp_timeout", "60"]) == "timeout=60"
+    assert with_rdzv_timeout("read_timeout=5", ["--ddp_timeout=60"]) == "read_timeout=5,timeout=60"
+    assert with_rdzv_timeout("timeout=10", ["--ddp_timeout", "60"]) == "timeout=10"  # the launcher's own flag wins
+    assert with_rdzv_timeout("", ["--seed", "1"]) == ""  # torchrun's 900 s

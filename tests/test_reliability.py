@@ -18,6 +18,7 @@ from conftest import (
     assert_one_line_error,
     free_port,
     launch,
+    launch_command,
     logged_losses,
     offline_env,
     read_results,
@@ -111,6 +112,23 @@ def test_two_processes_stop_together_on_a_nonfinite_loss(digits, tmp_path):
     assert len(errors) == 1 and "not finite" in errors[0] and "at optimizer step 2" in errors[0], proc.stderr[-3000:]
     assert proc.stderr.index(errors[0]) < proc.stderr.find("Traceback") or "Traceback" not in proc.stderr
     assert [p.name for p in out.glob("checkpoint-*")] == ["checkpoint-1"] and not (out / "model.safetensors").exists()
+
+
+def test_a_validation_longer_than_ddp_timeout_is_one_line_naming_the_flag(digits, tmp_path):
+    # The main process samples the validation images (about 10 s here: 1000 DDPM steps) while the other waits in
+    # wait_for_everyone(); past --ddp_timeout that wait fails. Through common/launch.py (as make runs it): one line
+    # from the process that waited, the main one stops quietly, exit code 2.
+    out = tmp_path / "slow"
+    cmd = launch_command("train_ddpm.py", "--train_data_dir", digits, "--output_dir", out, "--resolution", "8",
+                         "--block_out_channels", "16,32", "--max_train_samples", "32", "--train_batch_size", "8",
+                         "--max_train_steps", "2", "--ddpm_num_steps", "1000", "--validation_steps", "1",
+                         "--num_validation_images", "1", "--validation_inference_steps", "1000", "--report_to", "none",
+                         "--ddp_timeout", "3", config="cpu_2proc.yaml")
+    cmd[1:3] = ["-m", "common.launch"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=offline_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert_one_line_error(proc, "process 1 waited longer than --ddp_timeout (3 s)", "raise --ddp_timeout")
 
 
 def test_skip_nonfinite_steps_skips_the_updates_and_finishes(digits, tmp_path):
