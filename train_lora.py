@@ -3,10 +3,10 @@
 
 The UNet frozen, LoRA adapters (LoraConfig, init_lora_weights="gaussian") on its attention projections, trained on
 the denoising loss; optionally the CLIP text encoder too. Frozen weights in fp16/bf16, LoRA weights in fp32; latents
-(--cache_latents) and text embeddings computed once; min-SNR weighting, noise offset, caption dropout, validation
-images, resumable checkpoints that hold only the LoRA. Writes
-pytorch_lora_weights.safetensors (`pipe.load_lora_weights(output_dir)`), optionally the kohya/A1111/ComfyUI format,
-a model card, and lora_info.json, from which sample.py finds the base model.
+(--cache_latents) and text embeddings computed once; min-SNR weighting, noise offset, caption dropout, an EMA of
+the LoRA weights (--use_ema: what gets exported), validation images, resumable checkpoints that hold only the LoRA.
+Writes pytorch_lora_weights.safetensors (`pipe.load_lora_weights(output_dir)`), optionally the kohya/A1111/ComfyUI
+format, a model card, and lora_info.json, from which sample.py finds the base model.
 
 Defaults suit a real base: --resolution is the base's native size (its VAE's sample_size, 512 for SD 1.5),
 --learning_rate 1e-4, --train_batch_size 16, as in diffusers' LoRA example.
