@@ -3,10 +3,10 @@
 
 The UNet frozen, LoRA adapters (LoraConfig, init_lora_weights="gaussian") on its attention projections, trained on
 the denoising loss; optionally the CLIP text encoder too. Frozen weights in fp16/bf16, LoRA weights in fp32; latents
-(--cache_latents) and text embeddings computed once; min-SNR weighting, noise offset, caption dropout, validation
-images, resumable checkpoints that hold only the LoRA. Writes
-pytorch_lora_weights.safetensors (`pipe.load_lora_weights(output_dir)`), optionally the kohya/A1111/ComfyUI format,
-a model card, and lora_info.json, from which sample.py finds the base model.
+(--cache_latents) and text embeddings computed once; min-SNR weighting, noise offset, caption dropout, an EMA of
+the LoRA weights (--use_ema: what gets exported), validation images, resumable checkpoints that hold only the LoRA.
+Writes pytorch_lora_weights.safetensors (`pipe.load_lora_weights(output_dir)`), optionally the kohya/A1111/ComfyUI
+format, a model card, and lora_info.json, from which sample.py finds the base model.
 
 Defaults suit a real base: --resolution is the base's native size (its VAE's sample_size, 512 for SD 1.5),
 --learning_rate 1e-4, --train_batch_size 16, as in diffusers' LoRA example.
@@ -56,19 +56,23 @@ from common.cli import UserError, first_line, quiet_loading_bars, run
 from common.diffusion import SCHEDULER_CLASSES, SD_SCHEDULER, diffusion_loss, diffusion_target
 from common.optimizers import OPTIMIZERS, add_optimizer_args, check_optimizer_args
 from common.stable_diffusion import (
+    LORA_EMA_STATE,
     SHIPPED_BASE,
     base_model_metadata,
     base_resolution,
     check_local_resolution,
     check_sd_pipeline,
     load_error,
+    load_lora_ema,
     load_lora_state,
     lora_dtypes,
+    save_lora_ema,
     save_lora_state,
     save_lora_weights,
     size_factor,
     validation_images,
 )
+from common.training import add_ema_args, check_resumed_ema, ema_weights
 
 UNET_TARGETS = "to_k,to_q,to_v,to_out.0"
 TEXT_ENCODER_TARGETS = ["q_proj", "k_proj", "v_proj", "out_proj"]
@@ -109,6 +113,11 @@ def parse_args(argv=None):
     g.add_argument("--text_encoder_lr", type=positive_float, default=None, help="Default: --learning_rate.")
     g.add_argument("--export_kohya", action="store_true",
                    help="Also write pytorch_lora_weights_kohya.safetensors (A1111/ComfyUI key names).")
+    g = parser.add_argument_group("EMA of the LoRA weights")
+    add_ema_args(g)
+    g.add_argument("--offload_ema", action="store_true",
+                   help="Keep the EMA on the CPU, moving it to the device only for its update (same results, less "
+                        "device memory).")
     g = parser.add_argument_group("validation")
     g.add_argument("--validation_prompt", action="append", default=[], help="Repeatable.")
     g.add_argument("--num_validation_images", type=positive_int, default=2, help="Images per prompt.")
@@ -137,6 +146,8 @@ def parse_args(argv=None):
         parser.error("--export_kohya: the kohya format has no DoRA weights; drop --use_dora or --export_kohya")
     if not args.target_modules:
         parser.error("--target_modules: give at least one module name")
+    if args.offload_ema and not args.use_ema:
+        parser.error("--offload_ema: there is no EMA to offload without --use_ema")
     resume_path = resolve_resume(args.resume_from_checkpoint, args.output_dir)
     if resume_path:  # a checkpoint of another LoRA shape would fail (or worse, half-load) deep inside load_state
         saved, now = read_checkpoint_info(resume_path), lora_info(args)
@@ -144,6 +155,7 @@ def parse_args(argv=None):
         if diffs:
             raise UserError(f"--resume_from_checkpoint: {resume_path} holds a LoRA with {', '.join(diffs)}; "
                             "resume with the same LoRA settings or train into a new --output_dir")
+        check_resumed_ema(args, resume_path, LORA_EMA_STATE)
     return args
 
 
@@ -234,7 +246,7 @@ def main(args):
     from diffusers import AutoencoderKL, DDPMScheduler, UNet2DConditionModel
     from diffusers.models.attention_processor import AttnProcessor2_0
     from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
-    from diffusers.training_utils import cast_training_params
+    from diffusers.training_utils import EMAModel, cast_training_params
     from peft import LoraConfig
     from transformers import CLIPTextModel, CLIPTokenizer
 
@@ -273,6 +285,11 @@ def main(args):
     trainable = {f"{name}.{n}": p for name, m in trained.items() for n, p in m.named_parameters() if p.requires_grad}
     assert all("lora_" in name for name in trainable), "only LoRA weights may train"
     num_trainable = sum(p.numel() for p in trainable.values())
+    ema, ema_params = None, list(trainable.values())  # the EMA averages the trainable LoRA weights only, in fp32
+    if args.use_ema:
+        ema = EMAModel(ema_params, decay=args.ema_max_decay, use_ema_warmup=True, inv_gamma=args.ema_inv_gamma,
+                       power=args.ema_power, foreach=True)
+        ema.to("cpu" if args.offload_ema else accelerator.device, torch.float32)
     if args.gradient_checkpointing:
         unet.enable_gradient_checkpointing()
         if args.train_text_encoder:
@@ -341,10 +358,19 @@ def main(args):
         return lora_metadata(args, info, base_version, step, max_train_steps, len(train_data),
                              accelerator.mixed_precision)
 
+    def save_extra(folder):  # the checkpoint's pytorch_lora_weights: what would be exported at this step (EMA)
+        with ema_weights(ema, ema_params):
+            save_lora_weights(folder, unwrapped, info, metadata=file_metadata(global_step))
+        if ema is not None:  # lora_ema.safetensors + lora_ema.json (unet/, text_encoder/: the raw adapters)
+            save_lora_ema(ema, list(trainable), folder)
+
+    def load_extra(folder):  # (parse_args checked that the checkpoint's EMA matches the flags)
+        if ema is not None:
+            load_lora_ema(ema, list(trainable), folder, "cpu" if args.offload_ema else accelerator.device)
+
     register_state_hooks(accelerator, unwrapped, save_fn=save_lora_state,
                          load_fn=lambda model, path: load_lora_state(model, path, lora_dtype),
-                         extra_save=lambda folder: save_lora_weights(folder, unwrapped, info,
-                                                                     metadata=file_metadata(global_step)))
+                         extra_save=save_extra, extra_load=load_extra)
     # </domain>
     steps_per_epoch, max_train_steps, num_train_epochs = plan_steps(
         len(train_dataloader), args.gradient_accumulation_steps, args.num_train_epochs, args.max_train_steps)
@@ -384,15 +410,16 @@ def main(args):
     # <domain: validation>
     validation_losses = {}  # step -> val/loss (--validation_split)
 
-    def validate(step, images=True):  # the held-out loss and images of the current LoRA
-        if held_out_loss is not None:
-            validation_losses[step] = held_out_loss(unwrapped["unet"], embed, noise_scheduler)
-            accelerator.log({"val/loss": validation_losses[step]}, step=step)
-        if not (images and args.validation_prompt):
-            return []
-        return validation_images(args, accelerator, vae, tokenizer, noise_scheduler, unwrapped["unet"],
-                                 accelerator.unwrap_model(text_encoder, keep_torch_compile=False), step,
-                                 sizes=validation_sizes(sizes, args.resolution))
+    def validate(step, images=True):  # the held-out loss and images of the current LoRA (its EMA with --use_ema)
+        with ema_weights(ema, ema_params):
+            if held_out_loss is not None:
+                validation_losses[step] = held_out_loss(unwrapped["unet"], embed, noise_scheduler)
+                accelerator.log({"val/loss": validation_losses[step]}, step=step)
+            if not (images and args.validation_prompt):
+                return []
+            return validation_images(args, accelerator, vae, tokenizer, noise_scheduler, unwrapped["unet"],
+                                     accelerator.unwrap_model(text_encoder, keep_torch_compile=False), step,
+                                     sizes=validation_sizes(sizes, args.resolution))
 
     validating = held_out_loss is not None or args.validation_prompt
     if held_out_loss is not None and global_step == 0:
@@ -435,6 +462,14 @@ def main(args):
                     optimizer.zero_grad(set_to_none=True)
                 if not accelerator.sync_gradients:
                     continue
+                # <domain: the EMA>
+                if ema is not None and update:  # real optimizer steps only
+                    if args.offload_ema:  # updated on the device, as without the flag: the same numbers
+                        ema.to(accelerator.device)
+                    ema.step(ema_params)
+                    if args.offload_ema:
+                        ema.to("cpu")
+                # </domain>
                 global_step += 1
                 skipped_steps += not update
                 progress.update(1)
@@ -442,6 +477,10 @@ def main(args):
                     last_loss = accelerator.reduce(loss_sum, "mean").item()  # mean over processes, on logging steps
                     logs = {"train/loss": last_loss, "epoch": epoch}
                     logs.update({f"lr/{name}": group["lr"] for name, group in zip(group_names, optimizer.param_groups)})
+                    # <domain: more to log>
+                    if ema is not None and ema.cur_decay_value is not None:
+                        logs["ema_decay"] = ema.cur_decay_value
+                    # </domain>
                     accelerator.log(logs, step=global_step)
                     progress.set_postfix(loss=f"{last_loss:.4f}")
                 loss_sum.zero_()
@@ -466,8 +505,12 @@ def main(args):
         # <domain: the final validation, the LoRA and its model card>
         images = validate(global_step) if validating else []
         if accelerator.is_main_process:
-            save_lora_weights(args.output_dir, unwrapped, info, kohya=args.export_kohya,
-                              metadata=file_metadata(global_step))
+            if ema is not None:  # the trained weights themselves, beside the EMA: pipe.load_lora_weights(".../raw")
+                save_lora_weights(os.path.join(args.output_dir, "raw"), unwrapped, {**info, "ema_weights": False},
+                                  kohya=args.export_kohya, metadata=file_metadata(global_step))
+            with ema_weights(ema, ema_params):
+                save_lora_weights(args.output_dir, unwrapped, info, kohya=args.export_kohya,
+                                  metadata=file_metadata(global_step))
             base = args.pretrained_model_name_or_path
             write_model_card(
                 args.output_dir, f"LoRA for {base}",
@@ -478,6 +521,8 @@ def main(args):
                  "resolution": f"{args.resolution} px", "rank / alpha": f"{args.rank} / {args.lora_alpha:g}",
                  "target modules": ", ".join(args.target_modules),
                  "text encoder LoRA": args.train_text_encoder, "steps": global_step,
+                 "weights": (f"the EMA of the trained ones (decay up to {args.ema_max_decay:g}); the trained ones "
+                             "are in raw/") if ema is not None else "the trained ones",
                  "trigger (caption prefix)": f"`{args.caption_prefix}`" if args.caption_prefix else "none",
                  "final loss": f"{last_loss:.4f}" if last_loss is not None else "n/a",
                  "validation prompts": "; ".join(args.validation_prompt) or "none"},
@@ -510,6 +555,7 @@ def lora_info(args):
             "variant": args.variant, "rank": args.rank, "lora_alpha": args.lora_alpha,
             "target_modules": args.target_modules, "use_dora": args.use_dora,
             "train_text_encoder": args.train_text_encoder, "prediction_type": args.prediction_type,
+            "ema_weights": args.use_ema,  # the weights in pytorch_lora_weights.safetensors are the EMA ones
             "trigger": args.caption_prefix.strip(" ,") or None}  # --caption_prefix: what prompts need to show it
 
 

@@ -224,6 +224,41 @@ def load_lora_state(model, path, dtype):
     cast_training_params(model, dtype=dtype)
 
 
+LORA_EMA_WEIGHTS = "lora_ema.safetensors"  # in a checkpoint of a --use_ema run: the EMA of the LoRA weights
+LORA_EMA_STATE = "lora_ema.json"  # beside it: EMAModel's scalar state (optimization_step, decay, ...)
+
+
+def save_lora_ema(ema, names, folder):
+    """Checkpoint `extra_save`: an EMAModel of the LoRA weights as safetensors, each shadow under its parameter's
+    name (`names`, in the order given to EMAModel), and its scalar state as JSON; no pickle."""
+    from safetensors.torch import save_file
+
+    os.makedirs(folder, exist_ok=True)
+    state = ema.state_dict()
+    shadows = state.pop("shadow_params")
+    save_file({name: p.detach().cpu().contiguous() for name, p in zip(names, shadows, strict=True)},
+              os.path.join(folder, LORA_EMA_WEIGHTS))
+    with open(os.path.join(folder, LORA_EMA_STATE), "w") as f:
+        json.dump({**state, "cur_decay_value": ema.cur_decay_value}, f, indent=2)
+
+
+def load_lora_ema(ema, names, folder, device):
+    """Checkpoint `extra_load`: the EMAModel back as save_lora_ema wrote it, its shadows in fp32 on `device`."""
+    import torch
+    from safetensors.torch import load_file
+
+    weights = load_file(os.path.join(folder, LORA_EMA_WEIGHTS))
+    with open(os.path.join(folder, LORA_EMA_STATE)) as f:
+        state = json.load(f)
+    if sorted(weights) != sorted(names) or any(weights[n].shape != p.shape for n, p in zip(names, ema.shadow_params)):
+        odd = sorted(set(weights) ^ set(names)) or [n for n, p in zip(names, ema.shadow_params)
+                                                       if weights[n].shape != p.shape]
+        raise UserError(f"--resume_from_checkpoint: {folder}/{LORA_EMA_WEIGHTS} does not fit this LoRA ({odd[0]} ...)")
+    cur_decay_value = state.pop("cur_decay_value", None)
+    ema.load_state_dict({**state, "shadow_params": [weights[n].to(device, torch.float32) for n in names]})
+    ema.cur_decay_value = cur_decay_value
+
+
 def save_lora_weights(folder, lora_models, info, kohya=False, metadata=None):
     """lora_models: {"unet": ..., "text_encoder": ...} (peft-adapted, unwrapped). Writes
     pytorch_lora_weights.safetensors with `StableDiffusionPipeline.save_lora_weights` (the adapter configs ride

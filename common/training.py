@@ -133,16 +133,20 @@ def finite_step(accelerator, loss_sum, step, skip):
 
 @contextlib.contextmanager
 def ema_weights(ema, model):
-    """Inside: the model holds the EMA weights (when there is an EMA); after: its training weights again."""
+    """Inside: the model holds the EMA weights (when there is an EMA); after: its training weights again.
+
+    model: a module (all its parameters), or a list of parameters in the order given to EMAModel (e.g. only the
+    trainable LoRA weights of several models)."""
     if ema is None:
         yield
         return
-    ema.store(model.parameters())
-    ema.copy_to(model.parameters())
+    params = list(model.parameters()) if hasattr(model, "parameters") else list(model)
+    ema.store(params)
+    ema.copy_to(params)
     try:
         yield
     finally:
-        ema.restore(model.parameters())
+        ema.restore(params)
 
 
 def add_ema_args(group):
@@ -159,13 +163,18 @@ def add_ema_args(group):
 EMA_FLAGS = {"decay": "ema_max_decay", "inv_gamma": "ema_inv_gamma", "power": "ema_power"}
 
 
-def check_resumed_ema(args, checkpoint):
+def check_resumed_ema(args, checkpoint, state_file=os.path.join("unet_ema", "config.json")):
     """A resumed EMA takes its settings from the checkpoint (EMAModel.load_state_dict), whatever the flags say:
-    refuse flags that differ, and an EMA that would be dropped or missing, before anything loads."""
-    config_file = os.path.join(checkpoint, "unet_ema", "config.json")
+    refuse flags that differ, and an EMA that would be dropped or missing, before anything loads.
+
+    state_file: where, in a checkpoint, the EMA's scalar state (EMAModel.state_dict's decay, inv_gamma, power) is
+    kept as JSON: unet_ema/config.json (EMAModel.save_pretrained), or train_lora.py's lora_ema.json."""
+    config_file = os.path.join(checkpoint, state_file)
+    folder = os.path.dirname(state_file)
+    shown = f"{folder}/" if folder else state_file
     if not os.path.isfile(config_file):
         if args.use_ema:
-            raise UserError(f"--use_ema: checkpoint '{checkpoint}' has no unet_ema/ (it was trained without "
+            raise UserError(f"--use_ema: checkpoint '{checkpoint}' has no {shown} (it was trained without "
                             "--use_ema); resume without --use_ema, or train into a new --output_dir")
         return
     if not args.use_ema:
