@@ -99,19 +99,6 @@ def test_resume_and_sigterm_stop_match_the_uninterrupted_run(trained, digits, ev
         assert read_results(out)[key] == read_results(trained)[key], key
 
 
-def test_two_processes_unconditional(digits, tmp_path):
-    from diffusers import DDPMPipeline
-
-    out = tmp_path / "ddp"
-    launch("train_ddpm.py", "--train_data_dir", digits, "--output_dir", out, *TINY, "--report_to", "none",
-           "--prediction_type", "v_prediction", config="cpu_2proc.yaml")
-    assert read_results(out)["num_processes"] == 2
-    assert not (out / "labels.json").exists() and (out / "samples/step-8.png").exists()
-    pipe = DDPMPipeline.from_pretrained(out)
-    image = pipe(batch_size=1, num_inference_steps=2, generator=torch.Generator().manual_seed(0)).images[0]
-    assert image.size == (8, 8)
-
-
 def test_sample_py_is_deterministic_and_records_its_parameters(trained, tmp_path):
     from PIL import Image
 
@@ -205,19 +192,15 @@ def test_resuming_an_ema_with_other_settings_is_refused(trained, digits, tmp_pat
     assert sorted(p.name for p in out.iterdir()) == ["checkpoint-4"]
 
 
-def test_two_processes_draw_their_own_noise(tmp_path):
+def test_two_processes_draw_their_own_noise(digits, tmp_path):
     """Pins: set_seed without device_specific: every process drew the same noise and timesteps. On a data set of one
     image repeated, two processes then computed the same gradient as one, and trained exactly like it."""
     from diffusers import UNet2DModel
 
-    from demo.digits import write_digits
-
-    source = tmp_path / "digits"
-    write_digits(str(source))
     data = tmp_path / "same"
     data.mkdir()
     for i in range(16):
-        shutil.copy(source / "train" / "0000.png", data / f"{i:02d}.png")
+        shutil.copy(digits / "train" / "0000.png", data / f"{i:02d}.png")
     weights = []
     for config in ("cpu.yaml", "cpu_2proc.yaml"):
         out = tmp_path / config

@@ -309,21 +309,6 @@ def test_fp16_in_the_accelerate_config_keeps_lora_weights_fp32(tiny_sd):
     assert sum(p.requires_grad for p in params.values()) > 0
 
 
-def test_two_processes(digits, tiny_sd, tmp_path):
-    out = tmp_path / "ddp"
-    launch("train_lora.py", "--train_data_dir", digits, "--pretrained_model_name_or_path", tiny_sd,
-           "--output_dir", out, "--max_train_samples", "32", "--train_batch_size", "4", "--max_train_steps", "3",
-           "--checkpointing_steps", "2", "--cache_latents", "--snr_gamma", "5", "--noise_offset", "0.05",
-           "--prediction_type", "v_prediction", "--use_dora", "--gradient_checkpointing", "--report_to", "none",
-           config="cpu_2proc.yaml")
-    results = read_results(out)
-    assert results["num_processes"] == 2 and results["global_step"] == 3
-    info = json.loads((out / "lora_info.json").read_text())
-    assert info["use_dora"] and info["prediction_type"] == "v_prediction"
-    assert (out / "checkpoint-2" / "unet" / "adapter_model.safetensors").is_file()
-    assert (out / "pytorch_lora_weights.safetensors").is_file()
-
-
 def test_bad_input_is_one_line_and_writes_nothing(trained, digits, tiny_sd, tmp_path):
     out = tmp_path / "out"
     base = ["--train_data_dir", digits, "--output_dir", out]

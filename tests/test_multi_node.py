@@ -2,10 +2,12 @@
 127.0.0.1 (accelerate_configs/cpu_multi_node.yaml: static rendezvous, gloo), as on two real machines that share the
 output folder's disk. Each training script finishes on both; a checkpoint of two machines resumes on one machine of
 two processes (cpu_2proc.yaml) bitwise as if never stopped; a machine that never comes is one error line."""
+import json
 import shutil
 import subprocess
 
 import pytest
+import torch
 from conftest import (
     CONFIGS,
     ROOT,
@@ -58,12 +60,41 @@ def assert_two_machines_ran(nodes, out, weights):
     assert "saved to" in nodes[0].stderr and "saved to" not in nodes[1].stderr
 
 
+# What else each script's two-process run checks (the two machines are its two processes: DDP over gloo as with
+# cpu_2proc.yaml): its less common settings, and that their outputs load.
+EXTRA = {
+    "train_ddpm.py": ["--prediction_type", "v_prediction"],  # unconditional: no --class_column
+    "train_lora.py": ["--snr_gamma", "5", "--noise_offset", "0.05", "--prediction_type", "v_prediction", "--use_dora",
+                      "--gradient_checkpointing"],
+    "train_text_to_image.py": ["--use_ema"],  # and a UNet from --unet_config, below
+}
+
+
 # train_classifier.py: in the resume test below.
 @pytest.mark.parametrize("script", ["train_ddpm.py", "train_lora.py", "train_text_to_image.py"])
 def test_two_machines_on_loopback(script, digits, tiny_sd, tmp_path):
-    out = tmp_path / "out"
-    nodes = launch_nodes(script, *run_args(script, digits, tiny_sd, out), "--report_to", "none")
+    out, extra = tmp_path / "out", list(EXTRA[script])
+    if script == "train_text_to_image.py":  # a smaller UNet than the base's, trained from scratch
+        config = json.loads((tiny_sd / "unet" / "config.json").read_text())
+        (tmp_path / "unet.json").write_text(json.dumps({**config, "block_out_channels": [16, 32],
+                                                        "norm_num_groups": 8}))
+        extra += ["--unet_config", tmp_path / "unet.json"]
+    nodes = launch_nodes(script, *run_args(script, digits, tiny_sd, out), *extra, "--report_to", "none")
     assert_two_machines_ran(nodes, out, RUNS[script][1])
+    if script == "train_ddpm.py":
+        from diffusers import DDPMPipeline
+
+        assert not (out / "labels.json").exists() and (out / "samples/step-4.png").exists()
+        pipe = DDPMPipeline.from_pretrained(out)
+        image = pipe(batch_size=1, num_inference_steps=2, generator=torch.Generator().manual_seed(0)).images[0]
+        assert image.size == (8, 8)
+    elif script == "train_lora.py":
+        info = json.loads((out / "lora_info.json").read_text())
+        assert info["use_dora"] and info["prediction_type"] == "v_prediction"
+        assert (out / "checkpoint-2" / "unet" / "adapter_model.safetensors").is_file()
+    else:
+        assert json.loads((out / "unet" / "config.json").read_text())["block_out_channels"] == [16, 32]
+        assert (out / "checkpoint-2" / "unet_ema" / "config.json").is_file()
 
 
 def test_a_two_machine_checkpoint_resumes_exactly_on_one_machine(digits, tiny_sd, tmp_path):

@@ -217,8 +217,10 @@ def test_the_same_command_twice_gives_the_same_losses_weights_and_png_bytes(scri
         assert all(torch.equal(a[k], b[k]) for k in a), path.name
 
 
-COMPILED = {  # 2 steps and a checkpoint, then a resume from it to step 4
-    "train_classifier.py": ["--max_train_samples", "64", "--train_batch_size", "16", "--eval_batch_size", "64"],
+# 2 steps and a checkpoint, then a resume from it to step 4. train_classifier.py saves through the same shared
+# skeleton lines (the state hooks, unwrap_model(keep_torch_compile=False)) as these two, which also hold an EMA
+# (DDPM) and LoRA adapters on two models.
+COMPILED = {
     "train_ddpm.py": ["--resolution", "8", "--block_out_channels", "16,32", "--max_train_samples", "32",
                       "--train_batch_size", "8", "--ddpm_num_steps", "50", "--use_ema", "--num_validation_images", "1",
                       "--validation_inference_steps", "2"],
@@ -233,7 +235,6 @@ def test_torch_compile_checkpoints_resumes_and_saves_the_plain_weights(script, d
     or from_pretrained / load_lora_weights would not load them. The eager backend wraps exactly as inductor does,
     without its compile time."""
     from diffusers import StableDiffusionPipeline, UNet2DModel
-    from transformers import AutoModelForImageClassification
 
     out = tmp_path / "compiled"
     args = ["--train_data_dir", digits, "--output_dir", out, "--checkpointing_steps", "2", *COMPILED[script],
@@ -247,9 +248,7 @@ def test_torch_compile_checkpoints_resumes_and_saves_the_plain_weights(script, d
     assert len(files) >= 3, files
     for path in files:
         assert not [k for k in load_file(path) if "_orig_mod" in k], path.relative_to(out)
-    if script == "train_classifier.py":
-        assert AutoModelForImageClassification.from_pretrained(out).config.num_labels == 10
-    elif script == "train_ddpm.py":
+    if script == "train_ddpm.py":
         UNet2DModel.from_pretrained(out / "unet")
     else:
         pipe = StableDiffusionPipeline.from_pretrained(tiny_sd)

@@ -61,20 +61,6 @@ def test_resume_matches_the_uninterrupted_run(trained, digits, tiny_sd, tmp_path
         assert all(torch.equal(a[k], b[k]) for k in a), folder
 
 
-def test_two_processes_from_a_unet_config(digits, tiny_sd, tmp_path):
-    config = json.loads((tiny_sd / "unet" / "config.json").read_text())
-    (tmp_path / "unet.json").write_text(json.dumps({**config, "block_out_channels": [16, 32], "norm_num_groups": 8}))
-    out = tmp_path / "ddp"
-    launch("train_text_to_image.py", "--train_data_dir", digits, "--pretrained_model_name_or_path", tiny_sd,
-           "--output_dir", out, "--unet_config", tmp_path / "unet.json", "--max_train_samples", "32",
-           "--train_batch_size", "4", "--max_train_steps", "3", "--checkpointing_steps", "2", "--use_ema",
-           "--report_to", "none", config="cpu_2proc.yaml")
-    results = read_results(out)
-    assert results["num_processes"] == 2 and results["global_step"] == 3
-    assert json.loads((out / "unet" / "config.json").read_text())["block_out_channels"] == [16, 32]
-    assert (out / "checkpoint-2" / "unet_ema" / "config.json").is_file()
-
-
 def test_bad_input_is_one_line_and_writes_nothing(trained, digits, tiny_sd, tmp_path):
     out = tmp_path / "out"
     args = ["--train_data_dir", digits, "--pretrained_model_name_or_path", tiny_sd, "--output_dir", out,
