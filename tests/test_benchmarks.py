@@ -49,7 +49,7 @@ def test_gpu_lora_bench_runs_the_reference_and_the_recipe(digits, tiny_sd, tmp_p
     args = [str(digits) if a == "data/digits" else a for a in gpu["args"]]
     config = tmp_path / "workloads.toml"
     config.write_text(f"[gpu]\nbase = {json.dumps(str(tiny_sd))}\nresolution = 32\nbatch_sizes = [2]\n"
-                      f"precisions = [\"no\"]\nsteps = 40\nwarmup = 5\nargs = {json.dumps(args)}\n"
+                      f"precisions = [\"no\"]\nsteps = 16\nwarmup = 3\nargs = {json.dumps(args)}\n"
                       "[gpu.env]\nHF_HUB_OFFLINE = \"1\"\n")
     output = tmp_path / "bench" / "gpu_results.json"
     env = offline_env()
