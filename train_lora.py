@@ -27,9 +27,8 @@ Several GPUs (or `make train-lora CONFIG=accelerate_configs/multi_gpu.yaml ARGS=
     accelerate launch --config_file accelerate_configs/multi_gpu.yaml train_lora.py <the same flags>
 Then:  python sample.py --model outputs/lora-naruto --prompt "a girl with pink hair"
 
-Copy with: common/__init__.py, common/args.py, common/buckets.py, common/caption_files.py, common/checkpoints.py, common/cli.py, common/diffusion.py, common/distributed.py, common/image_data.py, common/optimizers.py, common/preemption.py, common/reporting.py, common/stable_diffusion.py, common/training.py, common/validation_loss.py
+Copy with: common/__init__.py, common/args.py, common/buckets.py, common/caption_files.py, common/checkpoints.py, common/cli.py, common/diffusion.py, common/distributed.py, common/image_data.py, common/lora_metadata.py, common/optimizers.py, common/preemption.py, common/reporting.py, common/stable_diffusion.py, common/training.py, common/validation_loss.py
 """  # noqa: E501 (the copy list stays one line, for grep)
-import json
 import math
 import os
 import random
@@ -54,11 +53,11 @@ from common.caption_files import caption_folder_reader, check_caption_args
 from common.checkpoints import read_checkpoint_info, resolve_resume
 from common.cli import UserError, first_line, quiet_loading_bars, run
 from common.diffusion import SCHEDULER_CLASSES, SD_SCHEDULER, diffusion_loss, diffusion_target
+from common.lora_metadata import base_model_metadata, lora_metadata
 from common.optimizers import OPTIMIZERS, add_optimizer_args, check_optimizer_args
 from common.stable_diffusion import (
     LORA_EMA_STATE,
     SHIPPED_BASE,
-    base_model_metadata,
     base_resolution,
     check_local_resolution,
     check_sd_pipeline,
@@ -356,7 +355,7 @@ def main(args):
 
     def file_metadata(step):  # the LoRA files' header (max_train_steps: its value when they are written)
         return lora_metadata(args, info, base_version, step, max_train_steps, len(train_data),
-                             accelerator.mixed_precision)
+                             accelerator.mixed_precision, TEXT_ENCODER_TARGETS, OPTIMIZERS[args.optimizer][0])
 
     def save_extra(folder):  # the checkpoint's pytorch_lora_weights: what would be exported at this step (EMA)
         with ema_weights(ema, ema_params):
@@ -408,13 +407,10 @@ def main(args):
     skipped_steps = 0
     group_names = [group["name"] for group in optimizer.param_groups]
     # <domain: validation>
-    validation_losses = {}  # step -> val/loss (--validation_split)
-
     def validate(step, images=True):  # the held-out loss and images of the current LoRA (its EMA with --use_ema)
         with ema_weights(ema, ema_params):
             if held_out_loss is not None:
-                validation_losses[step] = held_out_loss(unwrapped["unet"], embed, noise_scheduler)
-                accelerator.log({"val/loss": validation_losses[step]}, step=step)
+                held_out_loss.log(step, unwrapped["unet"], embed, noise_scheduler)
             if not (images and args.validation_prompt):
                 return []
             return validation_images(args, accelerator, vae, tokenizer, noise_scheduler, unwrapped["unet"],
@@ -533,8 +529,8 @@ def main(args):
                 images=[os.path.relpath(p, args.output_dir) for p in images])
         metrics = {"trainable_parameters": num_trainable, "mixed_precision": accelerator.mixed_precision,
                    "resolution": args.resolution}
-        if validation_losses:
-            metrics.update(validation_loss=validation_losses[global_step], validation_losses=validation_losses)
+        if held_out_loss is not None:
+            metrics.update(held_out_loss.results())
         # </domain>
         if accelerator.is_main_process:
             results = write_all_results(
@@ -557,41 +553,6 @@ def lora_info(args):
             "train_text_encoder": args.train_text_encoder, "prediction_type": args.prediction_type,
             "ema_weights": args.use_ema,  # the weights in pytorch_lora_weights.safetensors are the EMA ones
             "trigger": args.caption_prefix.strip(" ,") or None}  # --caption_prefix: what prompts need to show it
-
-
-def lora_metadata(args, info, base_version, step, max_train_steps, num_images, mixed_precision):
-    """The safetensors metadata of the LoRA files (strings): this recipe's own keys (the base as given, the target
-    modules, the trigger word: what sample.py prints), kohya's ss_* keys as its train_network.py writes them and
-    ModelSpec's modelspec.* (what A1111, ComfyUI and the model sites show). base_version: base_model_metadata's."""
-    base, dataset, size = info["base_model"], args.dataset_name or args.train_data_dir, args.resolution
-    name = os.path.basename(os.path.abspath(args.output_dir))
-    trigger = info["trigger"] or ""
-    text_encoder_lr = str(args.text_encoder_lr or args.learning_rate) if args.train_text_encoder else "None"
-    metadata = {
-        "base_model": base, "dataset": dataset, "resolution": str(size), "rank": str(args.rank),
-        "lora_alpha": f"{args.lora_alpha:g}", "target_modules": ",".join(args.target_modules),
-        "text_encoder_target_modules": ",".join(TEXT_ENCODER_TARGETS) if args.train_text_encoder else "",
-        "steps": str(step), "trigger": trigger,
-        "ss_sd_model_name": os.path.basename(base) if os.path.isdir(base) else base, "ss_output_name": name,
-        "ss_network_module": "networks.lora", "ss_network_dim": str(args.rank),
-        "ss_network_alpha": str(float(args.lora_alpha)), "ss_network_dropout": str(args.lora_dropout),
-        "ss_resolution": f"({size}, {size})", "ss_enable_bucket": str(args.buckets == "auto"),
-        "ss_steps": str(step), "ss_max_train_steps": str(max_train_steps), "ss_learning_rate": str(args.learning_rate),
-        "ss_unet_lr": str(args.learning_rate), "ss_text_encoder_lr": text_encoder_lr,
-        "ss_lr_scheduler": args.lr_scheduler, "ss_lr_warmup_steps": str(args.lr_warmup_steps),
-        "ss_optimizer": OPTIMIZERS[args.optimizer][0], "ss_max_grad_norm": str(args.max_grad_norm),
-        "ss_batch_size_per_device": str(args.train_batch_size),
-        "ss_gradient_accumulation_steps": str(args.gradient_accumulation_steps),
-        "ss_gradient_checkpointing": str(args.gradient_checkpointing), "ss_mixed_precision": mixed_precision,
-        "ss_seed": str(args.seed), "ss_cache_latents": str(args.cache_latents), "ss_flip_aug": str(args.random_flip),
-        "ss_noise_offset": str(args.noise_offset), "ss_min_snr_gamma": str(args.snr_gamma),
-        "ss_caption_dropout_rate": str(args.caption_dropout_prob), "ss_num_train_images": str(num_images),
-        "ss_dataset_dirs": json.dumps({os.path.basename(os.path.normpath(dataset)): {"n_repeats": 1,
-                                                                                      "img_count": num_images}}),
-        "ss_training_comment": "train_lora.py" + (f"; trigger: {trigger}" if trigger else ""),
-        "modelspec.sai_model_spec": "1.0.0", "modelspec.implementation": "diffusers", "modelspec.title": name,
-        "modelspec.resolution": f"{size}x{size}", "modelspec.trigger_phrase": trigger, **base_version}
-    return {key: value for key, value in metadata.items() if value}  # no empty trigger or text encoder targets
 
 
 def check_target_modules(model, targets, flag, what):

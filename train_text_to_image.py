@@ -336,13 +336,10 @@ def main(args):
     skipped_steps = 0
     group_names = [group["name"] for group in optimizer.param_groups]
     # <domain: validation>
-    validation_losses = {}  # step -> val/loss (--validation_split)
-
     def validate(step, images=True):  # the held-out loss and images of the EMA weights (what gets exported)
         with ema_weights(ema, unwrapped["unet"]):
             if held_out_loss is not None:
-                validation_losses[step] = held_out_loss(unwrapped["unet"], embed, noise_scheduler)
-                accelerator.log({"val/loss": validation_losses[step]}, step=step)
+                held_out_loss.log(step, unwrapped["unet"], embed, noise_scheduler)
             if not (images and args.validation_prompt):
                 return []
             return validation_images(args, accelerator, vae, tokenizer, noise_scheduler, unwrapped["unet"],
@@ -451,8 +448,8 @@ def main(args):
                 images=[os.path.relpath(p, args.output_dir) for p in images])
         metrics = {"trainable_parameters": num_trainable, "mixed_precision": accelerator.mixed_precision,
                    "resolution": args.resolution}
-        if validation_losses:
-            metrics.update(validation_loss=validation_losses[global_step], validation_losses=validation_losses)
+        if held_out_loss is not None:
+            metrics.update(held_out_loss.results())
         # </domain>
         if accelerator.is_main_process:
             results = write_all_results(

@@ -263,8 +263,8 @@ def save_lora_weights(folder, lora_models, info, kohya=False, metadata=None):
     """lora_models: {"unet": ..., "text_encoder": ...} (peft-adapted, unwrapped). Writes
     pytorch_lora_weights.safetensors with `StableDiffusionPipeline.save_lora_weights` (the adapter configs ride
     along as diffusers' metadata, so alpha and DoRA load back), lora_info.json, and with `kohya` the kohya-format
-    file. `metadata` ({str: str}, train_lora.py's lora_metadata) goes into the header of both files. Main process
-    only."""
+    file. `metadata` ({str: str}, common/lora_metadata.py's lora_metadata) goes into the header of both files. Main
+    process only."""
     from diffusers import StableDiffusionPipeline
     from diffusers.loaders.lora_base import LORA_ADAPTER_METADATA_KEY
     from diffusers.utils import convert_state_dict_to_diffusers
@@ -294,17 +294,6 @@ def save_lora_weights(folder, lora_models, info, kohya=False, metadata=None):
             weights.update(peft_to_kohya(states["text_encoder"], info["lora_alpha"], "lora_te", "text_model."))
         save_file(weights, os.path.join(folder, KOHYA_WEIGHTS), metadata={"format": "pt", **(metadata or {})})
     write_lora_info(folder, info)
-
-
-def base_model_metadata(unet_config, prediction_type):
-    """What LoRA metadata says of a Stable Diffusion 1.x/2.x base: kohya's ss_base_model_version and ss_v2,
-    ModelSpec's architecture and prediction type. SD 2's UNet attends to 1024-wide text embeddings (SD 1's to 768);
-    a v-prediction base adds kohya's `_v`."""
-    v2, v = unet_config.get("cross_attention_dim") == 1024, prediction_type == "v_prediction"
-    architecture = ("stable-diffusion-v2-768-v" if v else "stable-diffusion-v2-512") if v2 else "stable-diffusion-v1"
-    return {"ss_base_model_version": ("sd_v2" if v2 else "sd_v1") + ("_v" if v else ""), "ss_v2": str(v2),
-            "modelspec.architecture": f"{architecture}/lora",
-            "modelspec.prediction_type": "v" if v else prediction_type}
 
 
 def lora_file_metadata(path):

@@ -64,6 +64,16 @@ class HeldOutLoss:
                 self.batches.append((torch.stack(latents), torch.stack(noise), torch.tensor(timesteps),
                                      torch.tensor(ids)))
         self.count = n * k
+        self.losses = {}  # step -> val/loss, as logged
+
+    def log(self, step, unet, embed, scheduler):
+        """The loss now (see __call__), kept in `losses` and logged to the trackers as val/loss."""
+        self.losses[step] = self(unet, embed, scheduler)
+        self.accelerator.log({"val/loss": self.losses[step]}, step=step)
+
+    def results(self):
+        """What all_results.json gets: the last value and the curve."""
+        return {"validation_loss": self.losses[max(self.losses)], "validation_losses": self.losses}
 
     def __call__(self, unet, embed, scheduler):
         """The mean loss (MSE against the scheduler's target, unweighted) of `unet` (unwrapped) over all items."""

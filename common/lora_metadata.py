@@ -1,0 +1,53 @@
+"""The safetensors metadata of train_lora.py's LoRA files: its own keys, kohya's ss_* keys as kohya's
+train_network.py writes them, and ModelSpec's modelspec.* keys (what A1111, ComfyUI and the model sites show).
+sample.py reads them back with common.stable_diffusion.describe_lora."""
+import json
+import os
+
+
+def base_model_metadata(unet_config, prediction_type):
+    """What LoRA metadata says of a Stable Diffusion 1.x/2.x base: kohya's ss_base_model_version and ss_v2,
+    ModelSpec's architecture and prediction type. SD 2's UNet attends to 1024-wide text embeddings (SD 1's to 768);
+    a v-prediction base adds kohya's `_v`."""
+    v2, v = unet_config.get("cross_attention_dim") == 1024, prediction_type == "v_prediction"
+    architecture = ("stable-diffusion-v2-768-v" if v else "stable-diffusion-v2-512") if v2 else "stable-diffusion-v1"
+    return {"ss_base_model_version": ("sd_v2" if v2 else "sd_v1") + ("_v" if v else ""), "ss_v2": str(v2),
+            "modelspec.architecture": f"{architecture}/lora",
+            "modelspec.prediction_type": "v" if v else prediction_type}
+
+
+def lora_metadata(args, info, base_version, step, max_train_steps, num_images, mixed_precision, text_encoder_targets,
+                  optimizer):
+    """The safetensors metadata of the LoRA files (strings): this recipe's own keys (the base as given, the target
+    modules, the trigger word: what sample.py prints), kohya's ss_* keys as its train_network.py writes them and
+    ModelSpec's modelspec.* (what A1111, ComfyUI and the model sites show). base_version: base_model_metadata's;
+    optimizer: the optimizer class's name."""
+    base, dataset, size = info["base_model"], args.dataset_name or args.train_data_dir, args.resolution
+    name = os.path.basename(os.path.abspath(args.output_dir))
+    trigger = info["trigger"] or ""
+    text_encoder_lr = str(args.text_encoder_lr or args.learning_rate) if args.train_text_encoder else "None"
+    metadata = {
+        "base_model": base, "dataset": dataset, "resolution": str(size), "rank": str(args.rank),
+        "lora_alpha": f"{args.lora_alpha:g}", "target_modules": ",".join(args.target_modules),
+        "text_encoder_target_modules": ",".join(text_encoder_targets) if args.train_text_encoder else "",
+        "steps": str(step), "trigger": trigger,
+        "ss_sd_model_name": os.path.basename(base) if os.path.isdir(base) else base, "ss_output_name": name,
+        "ss_network_module": "networks.lora", "ss_network_dim": str(args.rank),
+        "ss_network_alpha": str(float(args.lora_alpha)), "ss_network_dropout": str(args.lora_dropout),
+        "ss_resolution": f"({size}, {size})", "ss_enable_bucket": str(args.buckets == "auto"),
+        "ss_steps": str(step), "ss_max_train_steps": str(max_train_steps), "ss_learning_rate": str(args.learning_rate),
+        "ss_unet_lr": str(args.learning_rate), "ss_text_encoder_lr": text_encoder_lr,
+        "ss_lr_scheduler": args.lr_scheduler, "ss_lr_warmup_steps": str(args.lr_warmup_steps),
+        "ss_optimizer": optimizer, "ss_max_grad_norm": str(args.max_grad_norm),
+        "ss_batch_size_per_device": str(args.train_batch_size),
+        "ss_gradient_accumulation_steps": str(args.gradient_accumulation_steps),
+        "ss_gradient_checkpointing": str(args.gradient_checkpointing), "ss_mixed_precision": mixed_precision,
+        "ss_seed": str(args.seed), "ss_cache_latents": str(args.cache_latents), "ss_flip_aug": str(args.random_flip),
+        "ss_noise_offset": str(args.noise_offset), "ss_min_snr_gamma": str(args.snr_gamma),
+        "ss_caption_dropout_rate": str(args.caption_dropout_prob), "ss_num_train_images": str(num_images),
+        "ss_dataset_dirs": json.dumps({os.path.basename(os.path.normpath(dataset)): {"n_repeats": 1,
+                                                                                      "img_count": num_images}}),
+        "ss_training_comment": "train_lora.py" + (f"; trigger: {trigger}" if trigger else ""),
+        "modelspec.sai_model_spec": "1.0.0", "modelspec.implementation": "diffusers", "modelspec.title": name,
+        "modelspec.resolution": f"{size}x{size}", "modelspec.trigger_phrase": trigger, **base_version}
+    return {key: value for key, value in metadata.items() if value}  # no empty trigger or text encoder targets
