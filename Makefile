@@ -28,7 +28,7 @@ LAUNCH := $(LAUNCH_ENV) $(PY) -m common.launch --config_file $(CONFIG) \
 ARGS ?=
 DIGITS := data/digits/train/metadata.jsonl
 
-.PHONY: install install-extras install-deepspeed lint data env tiny-sd-base train-text-to-image train-classifier train-ddpm sample-ddpm tiny-sd train-lora sample-lora inspect test clean
+.PHONY: install install-extras install-deepspeed lint data env tiny-sd-base tiny-sdxl train-text-to-image train-classifier train-ddpm sample-ddpm tiny-sd train-lora sample-lora inspect test clean
 
 install: $(VENV)/.installed
 $(VENV)/.installed: requirements.txt
@@ -76,6 +76,12 @@ TINY_SD := models/tiny-sd/model_index.json
 tiny-sd: $(TINY_SD)
 $(TINY_SD): | install
 	$(PY) -m demo.tiny_sd --output_dir models/tiny-sd
+
+# The same for Stable Diffusion XL (two text encoders, pooled embedding, time ids): what the SDXL paths run on offline.
+TINY_SDXL := models/tiny-sdxl/model_index.json
+tiny-sdxl: $(TINY_SDXL)
+$(TINY_SDXL): | install
+	$(PY) -m demo.tiny_sd --architecture tiny-sdxl --output_dir models/tiny-sdxl
 
 # The LoRA demo: the tiny base, the digits captions. One thread per CPU process: the models are small, and on a
 # shared CPU several threads per process spin against each other (see docs/train_lora.md).

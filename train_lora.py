@@ -1,8 +1,10 @@
 #!/usr/bin/env python
-"""Fine-tune Stable Diffusion with LoRA (peft) on captioned images, the accelerate way.
+"""Fine-tune Stable Diffusion (1.x/2.x or XL) with LoRA (peft) on captioned images, the accelerate way.
 
 The UNet frozen, LoRA adapters (LoraConfig, init_lora_weights="gaussian") on its attention projections, trained on
-the denoising loss; optionally the CLIP text encoder too. Frozen weights in fp16/bf16, LoRA weights in fp32; latents
+the denoising loss; optionally the CLIP text encoder(s) too. The base's model_index.json says which pipeline it is:
+an SDXL base is conditioned on both its text encoders, the pooled embedding and each image's size "time ids"
+(original size, crop, target size; right with --buckets too). Frozen weights in fp16/bf16, LoRA weights in fp32; latents
 (--cache_latents) and text embeddings computed once; min-SNR weighting, noise offset, caption dropout, an EMA of
 the LoRA weights (--use_ema: what gets exported), validation images, resumable checkpoints that hold only the LoRA.
 Writes pytorch_lora_weights.safetensors (`pipe.load_lora_weights(output_dir)`), optionally the kohya/A1111/ComfyUI
@@ -25,9 +27,14 @@ One GPU, Stable Diffusion 1.5 from the hub (at 512 px, its native size):
         --validation_steps 500 --output_dir outputs/lora-naruto
 Several GPUs (or `make train-lora CONFIG=accelerate_configs/multi_gpu.yaml ARGS="..."`):
     accelerate launch --config_file accelerate_configs/multi_gpu.yaml train_lora.py <the same flags>
+SDXL (1024 px; the VAE always runs in fp32, so SDXL's fp16 VAE overflow cannot blacken anything):
+    accelerate launch --config_file accelerate_configs/single_gpu.yaml train_lora.py \
+        --pretrained_model_name_or_path stabilityai/stable-diffusion-xl-base-1.0 <the same data flags> \
+        --train_batch_size 1 --gradient_accumulation_steps 4 --mixed_precision bf16 --cache_latents \
+        --gradient_checkpointing --output_dir outputs/lora-sdxl
 Then:  python sample.py --model outputs/lora-naruto --prompt "a girl with pink hair"
 
-Copy with: common/__init__.py, common/args.py, common/buckets.py, common/caption_files.py, common/checkpoints.py, common/cli.py, common/diffusion.py, common/distributed.py, common/image_data.py, common/lora_metadata.py, common/optimizers.py, common/preemption.py, common/reporting.py, common/stable_diffusion.py, common/training.py, common/validation_loss.py
+Copy with: common/__init__.py, common/args.py, common/buckets.py, common/caption_files.py, common/checkpoints.py, common/cli.py, common/diffusion.py, common/distributed.py, common/image_data.py, common/lora_metadata.py, common/optimizers.py, common/preemption.py, common/reporting.py, common/sdxl.py, common/stable_diffusion.py, common/training.py, common/validation_loss.py
 """  # noqa: E501 (the copy list stays one line, for grep)
 import math
 import os
@@ -55,6 +62,7 @@ from common.cli import UserError, first_line, quiet_loading_bars, run
 from common.diffusion import SCHEDULER_CLASSES, SD_SCHEDULER, diffusion_loss, diffusion_target
 from common.lora_metadata import base_model_metadata, lora_metadata
 from common.optimizers import OPTIMIZERS, add_optimizer_args, check_optimizer_args
+from common.sdxl import TEXT_ENCODERS, embed_prompts, pipeline_kind
 from common.stable_diffusion import (
     LORA_EMA_STATE,
     SHIPPED_BASE,
@@ -91,7 +99,8 @@ def parse_args(argv=None):
     add_bucket_args(g)
     g = parser.add_argument_group("model")
     g.add_argument("--pretrained_model_name_or_path", default=SHIPPED_BASE,
-                   help="A StableDiffusionPipeline: hub id or folder (default: the shipped tiny digits base).")
+                   help="A StableDiffusionPipeline or StableDiffusionXLPipeline: hub id or folder (default: the "
+                        "shipped tiny digits base).")
     g.add_argument("--revision", default=None, help="Hub revision of the base model.")
     g.add_argument("--variant", default=None, help="Weights variant of the base model, e.g. fp16.")
     g.add_argument("--prediction_type", default=None, choices=["epsilon", "v_prediction", "sample"],
@@ -108,7 +117,7 @@ def parse_args(argv=None):
                    help=f"UNet modules that get LoRA (names or name suffixes), default {UNET_TARGETS}.")
     g.add_argument("--use_dora", action="store_true", help="DoRA: weight-decomposed LoRA.")
     g.add_argument("--train_text_encoder", action="store_true",
-                   help="Also LoRA on the CLIP text encoder's attention projections.")
+                   help="Also LoRA on the CLIP text encoder's attention projections (SDXL: both encoders').")
     g.add_argument("--text_encoder_lr", type=positive_float, default=None, help="Default: --learning_rate.")
     g.add_argument("--export_kohya", action="store_true",
                    help="Also write pytorch_lora_weights_kohya.safetensors (A1111/ComfyUI key names).")
@@ -136,6 +145,8 @@ def parse_args(argv=None):
     check_common_args(args)
     check_optimizer_args(args)
     check_sd_pipeline(args.pretrained_model_name_or_path, "--pretrained_model_name_or_path")
+    if os.path.isdir(args.pretrained_model_name_or_path):  # a hub base's class: once its model_index.json is fetched
+        pipeline_kind(args.pretrained_model_name_or_path, "--pretrained_model_name_or_path")
     args.resolution = check_local_resolution(args.pretrained_model_name_or_path, args.resolution)
     args.lora_alpha = args.lora_alpha or args.rank
     check_bucket_args(args)
@@ -198,7 +209,14 @@ def main(args):
     # 2. Data: images decoded once; each image's captions as indices into the distinct prompts ("" for dropout).
     # <domain: data>
     from common.buckets import batching, bucket_images, validation_sizes
-    from common.image_data import CachedLatents, ImageDataset, caption_lists, collate_batch, require_columns
+    from common.image_data import (
+        CachedLatents,
+        ImageDataset,
+        caption_lists,
+        collate_batch,
+        image_sizes,
+        require_columns,
+    )
     from common.validation_loss import HeldOutLoss, load_with_validation
 
     # The training size: the base's native one (its VAE's sample_size) unless given. Far below it, what the LoRA
@@ -227,6 +245,12 @@ def main(args):
             picked.append(prompt_id[""] if rng.random() < args.caption_dropout_prob else rng.choice(caption_ids[index]))
         return torch.tensor(picked)
 
+    kind = pipeline_kind(args.pretrained_model_name_or_path, "--pretrained_model_name_or_path", args.revision,
+                         args.cache_dir)  # "sd" (1.x/2.x) or "sdxl"
+    originals = held_out_originals = None  # SDXL: every image's original (height, width), for its time ids
+    if kind == "sdxl":
+        originals = image_sizes(train_ds, args.image_column)[0]
+        held_out_originals = image_sizes(held_out_ds, args.image_column)[0] if held_out_ds else None
     sizes = held_out_sizes = None  # --buckets auto: each image's (height, width)
     if args.buckets == "auto":
         sizes, held_out_sizes, table = bucket_images(args, train_ds, held_out_ds, size_factor(
@@ -235,9 +259,10 @@ def main(args):
     with accelerator.main_process_first():
         train_data = ImageDataset(train_ds, args.image_column, args.resolution, center_crop=args.center_crop,
                                   random_flip=args.random_flip, columns={"index": torch.arange(len(train_ds))},
-                                  seed=args.seed, sizes=sizes)
+                                  seed=args.seed, sizes=sizes, original_sizes=originals)
         held_out = None if held_out_ds is None else ImageDataset(
-            held_out_ds, args.image_column, args.resolution, center_crop=True, seed=args.seed, sizes=held_out_sizes)
+            held_out_ds, args.image_column, args.resolution, center_crop=True, seed=args.seed, sizes=held_out_sizes,
+            original_sizes=held_out_originals)
     # </domain>
 
     # 3. Model: the base frozen in the weight dtype (the VAE in fp32: fp16 decodes overflow), LoRA adapters in fp32.
@@ -247,15 +272,17 @@ def main(args):
     from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
     from diffusers.training_utils import EMAModel, cast_training_params
     from peft import LoraConfig
-    from transformers import CLIPTextModel, CLIPTokenizer
+    from transformers import CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
 
     quiet_loading_bars()
     path, load = args.pretrained_model_name_or_path, {"revision": args.revision, "cache_dir": args.cache_dir}
-    try:
+    try:  # SDXL: a second tokenizer and text encoder (with the projection whose output is the pooled embedding)
         noise_scheduler = DDPMScheduler.from_pretrained(path, subfolder="scheduler", **load)
-        tokenizer = CLIPTokenizer.from_pretrained(path, subfolder="tokenizer", **load)
-        text_encoder = CLIPTextModel.from_pretrained(path, subfolder="text_encoder", variant=args.variant,
-                                                     dtype=weight_dtype, **load)
+        tokenizers = {name.replace("text_encoder", "tokenizer"): CLIPTokenizer.from_pretrained(
+            path, subfolder=name.replace("text_encoder", "tokenizer"), **load) for name in TEXT_ENCODERS[kind]}
+        text_encoders = {name: (CLIPTextModel if name == "text_encoder" else CLIPTextModelWithProjection)
+                         .from_pretrained(path, subfolder=name, variant=args.variant, dtype=weight_dtype, **load)
+                         for name in TEXT_ENCODERS[kind]}
         vae = AutoencoderKL.from_pretrained(path, subfolder="vae", variant=args.variant, dtype=torch.float32,
                                             **load)
         unet = UNet2DConditionModel.from_pretrained(path, subfolder="unet", variant=args.variant,
@@ -264,7 +291,7 @@ def main(args):
         raise load_error("--pretrained_model_name_or_path", path, err) from None
     if args.prediction_type:
         noise_scheduler.register_to_config(prediction_type=args.prediction_type)
-    for model in (unet, vae, text_encoder):
+    for model in (unet, vae, *text_encoders.values()):
         model.requires_grad_(False).to(accelerator.device)
     unet.set_attn_processor(AttnProcessor2_0())  # PyTorch SDPA (flash / memory-efficient kernels where available)
     check_target_modules(unet, args.target_modules, "--target_modules", "UNet")
@@ -275,11 +302,11 @@ def main(args):
     except ValueError as err:  # e.g. a target that is not a Linear/Conv layer
         raise UserError(f"--target_modules: {first_line(err)}") from None
     trained = {"unet": unet}  # what trains, by checkpoint subfolder
-    if args.train_text_encoder:
+    for name, text_encoder in text_encoders.items() if args.train_text_encoder else ():
         text_encoder.add_adapter(LoraConfig(r=args.rank, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
                                             init_lora_weights="gaussian", target_modules=TEXT_ENCODER_TARGETS,
                                             use_dora=args.use_dora))
-        trained["text_encoder"] = text_encoder
+        trained[name] = text_encoder
     cast_training_params(list(trained.values()), dtype=lora_dtype)
     trainable = {f"{name}.{n}": p for name, m in trained.items() for n, p in m.named_parameters() if p.requires_grad}
     assert all("lora_" in name for name in trainable), "only LoRA weights may train"
@@ -291,17 +318,20 @@ def main(args):
         ema.to("cpu" if args.offload_ema else accelerator.device, torch.float32)
     if args.gradient_checkpointing:
         unet.enable_gradient_checkpointing()
-        if args.train_text_encoder:
+        for text_encoder in text_encoders.values() if args.train_text_encoder else ():
             text_encoder.gradient_checkpointing_enable()
 
     # Speed: what is frozen is computed once. Text: every distinct prompt embedded once (kept on the CPU).
-    input_ids = tokenizer(prompts, padding="max_length", max_length=tokenizer.model_max_length, truncation=True,
-                          return_tensors="pt").input_ids
-    prompt_embeds = None
+    input_ids = [tokenizer(prompts, padding="max_length", max_length=tokenizer.model_max_length, truncation=True,
+                           return_tensors="pt").input_ids for tokenizer in tokenizers.values()]
+    prompt_embeds = pooled_embeds = None
     if not args.train_text_encoder:
         with torch.no_grad():
-            prompt_embeds = torch.cat([text_encoder(ids.to(accelerator.device))[0].cpu()
-                                       for ids in input_ids.split(64)])
+            chunks = [embed_prompts(list(text_encoders.values()), [ids[i:i + 64].to(accelerator.device)
+                                                                    for ids in input_ids])
+                      for i in range(0, len(prompts), 64)]
+        prompt_embeds = torch.cat([hidden.cpu() for hidden, _ in chunks])
+        pooled_embeds = torch.cat([pooled.cpu() for _, pooled in chunks]) if kind == "sdxl" else None
 
     def encode(pixel_values):  # -> parameters (mean, log-variance) of the VAE's latent distribution
         with torch.no_grad(), accelerator.autocast():
@@ -311,14 +341,22 @@ def main(args):
         latents = DiagonalGaussianDistribution(params.float().contiguous()).sample()
         return (latents - (vae.config.shift_factor or 0.0)) * vae.config.scaling_factor
 
-    def embed(ids):  # prompt indices -> the text encoder's hidden states
+    def condition(prompt_ids, image_ids, data):  # -> the UNet's encoder hidden states, SDXL's added conditioning
         if prompt_embeds is not None:
-            return prompt_embeds[ids].to(accelerator.device)
-        return text_encoder(input_ids[ids].to(accelerator.device))[0]
+            hidden = prompt_embeds[prompt_ids].to(accelerator.device)
+            pooled = None if pooled_embeds is None else pooled_embeds[prompt_ids].to(accelerator.device)
+        else:  # the text encoders train (after prepare: the prepared ones)
+            hidden, pooled = embed_prompts(list(text_encoders.values()),
+                                           [ids[prompt_ids].to(accelerator.device) for ids in input_ids])
+        if pooled is None:
+            return hidden, None
+        time_ids = data.time_ids(image_ids.tolist()).to(accelerator.device, hidden.dtype)
+        return hidden, {"text_embeds": pooled, "time_ids": time_ids}
 
-    held_out_loss = None if held_out is None else HeldOutLoss(
-        held_out, encode, vae.config, [prompt_id[c[0]] for c in held_out_captions],
-        noise_scheduler.config.num_train_timesteps, accelerator, args.seed, args.train_batch_size)
+    held_out_prompts = torch.tensor([prompt_id[c[0]] for c in held_out_captions], dtype=torch.long)
+    held_out_loss = None if held_out is None else HeldOutLoss(  # keyed by image: SDXL's time ids are the image's
+        held_out, encode, vae.config, list(range(len(held_out))), noise_scheduler.config.num_train_timesteps,
+        accelerator, args.seed, args.train_batch_size)
     loader_batches = batching(sizes, args.train_batch_size, args.seed, train_data)  # one bucket each with --buckets
     if args.cache_latents:
         logger.info(f"caching the latents of {len(train_data)} images{' and their mirror images' * args.random_flip}")
@@ -329,7 +367,7 @@ def main(args):
 
     # 4. Optimizer on the LoRA weights (the text encoder's at its own LR); schedule counted in optimizer steps.
     # <domain: parameter groups>
-    lr_groups = {"text_encoder": args.text_encoder_lr or args.learning_rate} if args.train_text_encoder else {}
+    lr_groups = {name: args.text_encoder_lr or args.learning_rate for name in trained if name != "unet"}
     param_groups = build_param_groups(torch.nn.ModuleDict(trained), args.learning_rate, args.adam_weight_decay,
                                       lr_groups)
     # </domain>
@@ -347,8 +385,7 @@ def main(args):
     trained_params = [p for model in models for p in model.parameters() if p.requires_grad]  # what gets clipped
     # <domain: the prepared models; what a checkpoint holds>
     unet = models[0]
-    if args.train_text_encoder:
-        text_encoder = models[1]
+    text_encoders.update(zip(list(trained)[1:], models[1:]))  # the text encoders that train: the prepared ones
     info = lora_info(args)
     checkpoint_info = info  # in checkpoint_info.json too: a resume checks its LoRA settings against them
     base_version = base_model_metadata(unwrapped["unet"].config, noise_scheduler.config.prediction_type)
@@ -410,11 +447,14 @@ def main(args):
     def validate(step, images=True):  # the held-out loss and images of the current LoRA (its EMA with --use_ema)
         with ema_weights(ema, ema_params):
             if held_out_loss is not None:
-                held_out_loss.log(step, unwrapped["unet"], embed, noise_scheduler)
+                held_out_loss.log(step, unwrapped["unet"],
+                                  lambda ids: condition(held_out_prompts[ids], ids, held_out), noise_scheduler)
             if not (images and args.validation_prompt):
                 return []
-            return validation_images(args, accelerator, vae, tokenizer, noise_scheduler, unwrapped["unet"],
-                                     accelerator.unwrap_model(text_encoder, keep_torch_compile=False), step,
+            parts = {"vae": vae, "unet": unwrapped["unet"], **tokenizers,
+                     **{name: accelerator.unwrap_model(model, keep_torch_compile=False)
+                        for name, model in text_encoders.items()}}
+            return validation_images(args, accelerator, parts, noise_scheduler, step,
                                      sizes=validation_sizes(sizes, args.resolution))
 
     validating = held_out_loss is not None or args.validation_prompt
@@ -442,9 +482,10 @@ def main(args):
                                               device=latents.device)
                     noisy_latents = noise_scheduler.add_noise(latents, noise, timesteps)
                     prompt_index = pick_prompts(batch["index"], epoch)
-                    encoder_hidden_states = embed(prompt_index)
+                    encoder_hidden_states, added_cond = condition(prompt_index, batch["index"], train_data)
                     target = diffusion_target(noise_scheduler, latents, noise, timesteps)
-                    model_pred = unet(noisy_latents, timesteps, encoder_hidden_states, return_dict=False)[0]
+                    model_pred = unet(noisy_latents, timesteps, encoder_hidden_states, added_cond_kwargs=added_cond,
+                                      return_dict=False)[0]
                     loss = diffusion_loss(model_pred, target, noise_scheduler, timesteps, args.snr_gamma)
                     # </domain>
                     accelerator.backward(loss)
@@ -508,6 +549,7 @@ def main(args):
                 save_lora_weights(args.output_dir, unwrapped, info, kohya=args.export_kohya,
                                   metadata=file_metadata(global_step))
             base = args.pretrained_model_name_or_path
+            pipeline_class = "StableDiffusionXLPipeline" if kind == "sdxl" else "StableDiffusionPipeline"
             write_model_card(
                 args.output_dir, f"LoRA for {base}",
                 f"Trained with train_lora.py on `{args.dataset_name or args.train_data_dir}` for {global_step} "
@@ -522,8 +564,8 @@ def main(args):
                  "trigger (caption prefix)": f"`{args.caption_prefix}`" if args.caption_prefix else "none",
                  "final loss": f"{last_loss:.4f}" if last_loss is not None else "n/a",
                  "validation prompts": "; ".join(args.validation_prompt) or "none"},
-                "from diffusers import StableDiffusionPipeline\n"
-                f'pipe = StableDiffusionPipeline.from_pretrained("{info["base_model"]}")\n'
+                f"from diffusers import {pipeline_class}\n"
+                f'pipe = {pipeline_class}.from_pretrained("{info["base_model"]}")\n'
                 f'pipe.load_lora_weights("{args.output_dir}")\n'
                 f'image = pipe("{(args.validation_prompt or [prompts[-1]])[0]}").images[0]',
                 images=[os.path.relpath(p, args.output_dir) for p in images])

@@ -21,7 +21,7 @@ One GPU, Stable Diffusion 1.5 from the hub (full fine-tuning wants a large GPU; 
         --output_dir outputs/sd-naruto
 Then:  python sample.py --model outputs/sd-naruto --prompt "a girl with pink hair"
 
-Copy with: common/__init__.py, common/args.py, common/buckets.py, common/caption_files.py, common/checkpoints.py, common/cli.py, common/diffusion.py, common/distributed.py, common/image_data.py, common/optimizers.py, common/preemption.py, common/reporting.py, common/stable_diffusion.py, common/training.py, common/unet_config.py, common/validation_loss.py
+Copy with: common/__init__.py, common/args.py, common/buckets.py, common/caption_files.py, common/checkpoints.py, common/cli.py, common/diffusion.py, common/distributed.py, common/image_data.py, common/optimizers.py, common/preemption.py, common/reporting.py, common/sdxl.py, common/stable_diffusion.py, common/training.py, common/unet_config.py, common/validation_loss.py
 """  # noqa: E501 (the copy list stays one line, for grep)
 import json
 import math
@@ -342,8 +342,9 @@ def main(args):
                 held_out_loss.log(step, unwrapped["unet"], embed, noise_scheduler)
             if not (images and args.validation_prompt):
                 return []
-            return validation_images(args, accelerator, vae, tokenizer, noise_scheduler, unwrapped["unet"],
-                                     text_encoder, step, sizes=validation_sizes(sizes, args.resolution))
+            parts = {"vae": vae, "unet": unwrapped["unet"], "tokenizer": tokenizer, "text_encoder": text_encoder}
+            return validation_images(args, accelerator, parts, noise_scheduler, step,
+                                     sizes=validation_sizes(sizes, args.resolution))
 
     validating = held_out_loss is not None or args.validation_prompt
     if held_out_loss is not None and global_step == 0:

@@ -220,13 +220,14 @@ class ImageDataset(torch.utils.data.Dataset):
     """
 
     def __init__(self, dataset, image_column, resolution, center_crop=True, random_flip=False,
-                 mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5), columns=None, seed=0, cache_limit_gb=4.0, sizes=None):
+                 mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5), columns=None, seed=0, cache_limit_gb=4.0, sizes=None,
+                 original_sizes=None):
         import datasets
 
         self.images = dataset.cast_column(image_column, datasets.Image(decode=False))[image_column]
         self.columns = columns or {}
         self.resolution, self.center_crop, self.random_flip = resolution, center_crop, random_flip
-        self.sizes = sizes
+        self.sizes, self.original_sizes = sizes, original_sizes  # original_sizes: (height, width)s, for time_ids
         # uint8 -> float: x * scale + shift, i.e. (x / 255 - mean) / std (a multiply is cheaper than a divide)
         self.scale = 1 / (torch.tensor(std, dtype=torch.float32).view(3, 1, 1) * 255)
         self.shift = -torch.tensor(mean, dtype=torch.float32).view(3, 1, 1) / torch.tensor(std).view(3, 1, 1)
@@ -271,15 +272,37 @@ class ImageDataset(torch.utils.data.Dataset):
     def __len__(self):
         return len(self.images)
 
+    def placement(self, index, h, w):
+        """(top, left, flip) of item `index`, decoded as an h x w image, in the current epoch."""
+        fixed = self.fixed_crop(h, w, *self.crop_size(index))
+        return (*fixed, False) if fixed else self.augmentation(index, h, w)
+
     def crop(self, index):
         """Item `index` as uint8 [3, R, R] (or its bucket's size), cropped and flipped for the current epoch."""
         pixels = self.cache[index] if self.cache is not None else self._decode(index)
         rh, rw = self.crop_size(index)
         _, h, w = pixels.shape
-        fixed = self.fixed_crop(h, w, rh, rw)
-        top, left, flip = (*fixed, False) if fixed else self.augmentation(index, h, w)
+        top, left, flip = self.placement(index, h, w)
         pixels = pixels[:, top:top + rh, left:left + rw]
         return pixels.flip(-1) if flip else pixels
+
+    def time_ids(self, indices):
+        """SDXL's size conditioning of items `indices` in the current epoch, float [B, 6]: the original (height,
+        width), the crop's (top, left) in the resized image, the trained (height, width). Computed from the original
+        sizes (ImageDataset(original_sizes=...)), nothing decoded; a flipped item's crop is measured from the
+        mirrored image's left edge, where that crop lies in it."""
+        rows = []
+        for index in indices:
+            (oh, ow), (rh, rw) = self.original_sizes[index], self.crop_size(index)
+            if self.sizes is not None:  # resized to cover the bucket and center-cropped to it when decoded
+                h, w = cover_size((oh, ow), (rh, rw))
+                top, left, flip = (h - rh) // 2, (w - rw) // 2, self.placement(index, rh, rw)[2]
+            else:  # resized (shorter side R) when decoded, cropped per epoch
+                scale = self.resolution / min(oh, ow)
+                h, w = max(self.resolution, round(oh * scale)), max(self.resolution, round(ow * scale))
+                top, left, flip = self.placement(index, h, w)
+            rows.append((oh, ow, top, w - left - rw if flip else left, rh, rw))
+        return torch.tensor(rows, dtype=torch.float32)
 
     def item(self, index, pixel_values):
         item = {"pixel_values": pixel_values}
@@ -376,6 +399,10 @@ class CachedLatents:
 
     def flipped(self, index):
         return self.images.augmentation(index, *self.images.crop_size(index))[2]
+
+    def time_ids(self, indices):
+        """SDXL's size conditioning of items `indices` (ImageDataset.time_ids: the same view as the latents)."""
+        return self.images.time_ids(indices)
 
     def views(self, indices):
         """Which view (0: as is, 1: mirrored) each item shows in the current epoch."""

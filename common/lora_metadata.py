@@ -6,10 +6,14 @@ import os
 
 
 def base_model_metadata(unet_config, prediction_type):
-    """What LoRA metadata says of a Stable Diffusion 1.x/2.x base: kohya's ss_base_model_version and ss_v2,
-    ModelSpec's architecture and prediction type. SD 2's UNet attends to 1024-wide text embeddings (SD 1's to 768);
-    a v-prediction base adds kohya's `_v`."""
+    """What LoRA metadata says of a Stable Diffusion base: kohya's ss_base_model_version and ss_v2, ModelSpec's
+    architecture and prediction type. SDXL's UNet takes the pooled text embedding and time ids (its addition_embed_type
+    "text_time"); SD 2's attends to 1024-wide text embeddings (SD 1's to 768); a v-prediction base adds kohya's `_v`."""
     v2, v = unet_config.get("cross_attention_dim") == 1024, prediction_type == "v_prediction"
+    if unet_config.get("addition_embed_type") == "text_time":
+        return {"ss_base_model_version": "sdxl_base_v1-0" + ("_v" if v else ""), "ss_v2": "False",
+                "modelspec.architecture": "stable-diffusion-xl-v1-base/lora",
+                "modelspec.prediction_type": "v" if v else prediction_type}
     architecture = ("stable-diffusion-v2-768-v" if v else "stable-diffusion-v2-512") if v2 else "stable-diffusion-v1"
     return {"ss_base_model_version": ("sd_v2" if v2 else "sd_v1") + ("_v" if v else ""), "ss_v2": str(v2),
             "modelspec.architecture": f"{architecture}/lora",

@@ -8,6 +8,7 @@ import os
 
 from .args import is_hub_id, torch_dtype
 from .cli import UserError, first_line
+from .sdxl import sgm_module_name
 
 LORA_INFO = "lora_info.json"
 LORA_WEIGHTS = "pytorch_lora_weights.safetensors"  # diffusers' name: pipe.load_lora_weights(folder) finds it
@@ -175,14 +176,16 @@ def read_lora_info(folder):
 
 
 def decode_fp32(pipe, latents):
-    """Latents -> PIL images with the pipeline's VAE in fp32 (an fp16 VAE overflows into black images), through the
-    pipeline's safety checker when it has one, exactly as its own output_type="pil" would."""
+    """Latents -> PIL images with the pipeline's VAE in fp32 (an fp16 VAE overflows into black images: SD's, and
+    SDXL's above all), through the pipeline's safety checker when it has one, as its own output_type="pil" would."""
     import torch
 
     vae = pipe.vae if pipe.vae.dtype == torch.float32 else pipe.vae.to(torch.float32)
     with torch.no_grad():
         image = vae.decode(latents.float() / vae.config.scaling_factor + (vae.config.shift_factor or 0.0)).sample
-        image, nsfw = pipe.run_safety_checker(image, image.device, pipe.unet.dtype)
+        nsfw = None
+        if hasattr(pipe, "run_safety_checker"):  # SDXL's pipeline has no safety checker
+            image, nsfw = pipe.run_safety_checker(image, image.device, pipe.unet.dtype)
     denormalize = None if nsfw is None else [not flagged for flagged in nsfw]
     return pipe.image_processor.postprocess(image.float(), output_type="pil", do_denormalize=denormalize)
 
@@ -265,7 +268,7 @@ def save_lora_weights(folder, lora_models, info, kohya=False, metadata=None):
     along as diffusers' metadata, so alpha and DoRA load back), lora_info.json, and with `kohya` the kohya-format
     file. `metadata` ({str: str}, common/lora_metadata.py's lora_metadata) goes into the header of both files. Main
     process only."""
-    from diffusers import StableDiffusionPipeline
+    from diffusers import StableDiffusionPipeline, StableDiffusionXLPipeline
     from diffusers.loaders.lora_base import LORA_ADAPTER_METADATA_KEY
     from diffusers.utils import convert_state_dict_to_diffusers
     from peft.utils import get_peft_model_state_dict
@@ -273,27 +276,33 @@ def save_lora_weights(folder, lora_models, info, kohya=False, metadata=None):
 
     states = {name: get_peft_model_state_dict(model) for name, model in lora_models.items()}
     configs = {name: model.peft_config["default"].to_dict() for name, model in lora_models.items()}
-    text_encoder_layers = None
-    if "text_encoder" in states:
-        text_encoder_layers = {text_encoder_key(key): value
-                               for key, value in convert_state_dict_to_diffusers(states["text_encoder"]).items()}
+    text_layers = {f"{name}_lora_layers": {text_encoder_key(key): value for key, value in
+                                           convert_state_dict_to_diffusers(states[name]).items()}
+                   for name in ("text_encoder", "text_encoder_2") if name in states}
     header = {"format": "pt", **(metadata or {})}
     # diffusers writes its adapter metadata only with its own save function: the same entry, written here beside ours
     adapter_configs = {f"{name}.{key}": value for name, config in configs.items() for key, value in config.items()}
     header[LORA_ADAPTER_METADATA_KEY] = json.dumps(adapter_configs, indent=2, sort_keys=True, default=sorted)
-    StableDiffusionPipeline.save_lora_weights(
+    sdxl = is_sdxl_unet(lora_models["unet"].config)
+    (StableDiffusionXLPipeline if sdxl else StableDiffusionPipeline).save_lora_weights(
         # The UNet's keys stay in peft's format (lora_A/lora_B): converted, attention layers get diffusers' old
         # names (lora.down/lora.up) while convolutions keep peft's, and the loader then drops the attention ones
         # without an error (a LoRA on attention and convolutions would load half applied).
-        folder, weight_name=LORA_WEIGHTS, unet_lora_layers=states["unet"],
-        text_encoder_lora_layers=text_encoder_layers,
+        folder, weight_name=LORA_WEIGHTS, unet_lora_layers=states["unet"], **text_layers,
         save_function=lambda weights, path: save_file(weights, path, metadata=header))
-    if kohya:
-        weights = peft_to_kohya(states["unet"], info["lora_alpha"], "lora_unet")
-        if "text_encoder" in states:  # transformers 5 dropped CLIPTextModel's `text_model.` level; kohya keeps it
-            weights.update(peft_to_kohya(states["text_encoder"], info["lora_alpha"], "lora_te", "text_model."))
+    if kohya:  # SDXL: the sgm UNet's module names and lora_te1/lora_te2, as kohya's SDXL files have them
+        rename = (lambda module: sgm_module_name(module, lora_models["unet"].config)) if sdxl else None
+        weights = peft_to_kohya(states["unet"], info["lora_alpha"], "lora_unet", rename=rename)
+        for name, prefix in (("text_encoder", "lora_te1" if sdxl else "lora_te"), ("text_encoder_2", "lora_te2")):
+            if name in states:  # transformers 5 dropped CLIPTextModel's `text_model.` level; kohya keeps it
+                weights.update(peft_to_kohya(states[name], info["lora_alpha"], prefix, "text_model."))
         save_file(weights, os.path.join(folder, KOHYA_WEIGHTS), metadata={"format": "pt", **(metadata or {})})
     write_lora_info(folder, info)
+
+
+def is_sdxl_unet(unet_config):
+    """An SDXL UNet: conditioned on the pooled text embedding and the time ids as well."""
+    return unet_config.get("addition_embed_type") == "text_time"
 
 
 def lora_file_metadata(path):
@@ -353,9 +362,10 @@ def text_encoder_key(key):
     return key + ".weight" if key.endswith(".lora_magnitude_vector") else key
 
 
-def peft_to_kohya(state_dict, alpha, prefix, module_prefix=""):
+def peft_to_kohya(state_dict, alpha, prefix, module_prefix="", rename=None):
     """peft keys `<module>.lora_A.weight` / `.lora_B.weight` -> `<prefix>_<module, dots as underscores>` with
-    `.lora_down.weight`, `.lora_up.weight` and `.alpha` (diffusers' own names give ComfyUI "lora key not loaded")."""
+    `.lora_down.weight`, `.lora_up.weight` and `.alpha` (diffusers' own names give ComfyUI "lora key not loaded").
+    rename(module) -> the module's name in the kohya file (SDXL's UNet: common/sdxl.py's sgm_module_name)."""
     import torch
 
     names = {"A.weight": "lora_down.weight", "B.weight": "lora_up.weight"}
@@ -364,31 +374,37 @@ def peft_to_kohya(state_dict, alpha, prefix, module_prefix=""):
         module, _, kind = key.rpartition(".lora_")
         if kind not in names:
             raise ValueError(f"kohya export: no kohya name for '{key}' (DoRA magnitudes and biases have none)")
+        module = rename(module) if rename else module
         name = f"{prefix}_{(module if module.startswith(module_prefix) else module_prefix + module).replace('.', '_')}"
         kohya[f"{name}.{names[kind]}"] = value.detach().contiguous()
         kohya[f"{name}.alpha"] = torch.tensor(float(alpha), dtype=value.dtype)
     return kohya
 
 
-def validation_images(args, accelerator, vae, tokenizer, scheduler, unet, text_encoder, step, sizes=None):
+def validation_images(args, accelerator, parts, scheduler, step, sizes=None):
     """Images of the validation prompts from the current weights (main process; the others wait), saved under
     samples/step-N/ and logged to the trackers (a row per prompt, and per size: `sizes` [(height, width)], default
-    the pipeline's own). The VAE decodes in fp32, outside autocast."""
+    the pipeline's own). parts: the pipeline's vae, unet, tokenizer(s) and text encoder(s) (unwrapped), by their
+    pipeline names; with a text_encoder_2 an SDXL pipeline. The VAE decodes in fp32, outside autocast."""
     import torch
-    from diffusers import StableDiffusionPipeline
+    from diffusers import StableDiffusionPipeline, StableDiffusionXLPipeline
 
     from .diffusion import image_grid, sampling_scheduler
     from .reporting import log_image
 
     paths = []
     if accelerator.is_main_process:
-        pipe = StableDiffusionPipeline(vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, unet=unet,
-                                       scheduler=sampling_scheduler(args.validation_scheduler, scheduler.config),
-                                       safety_checker=None, feature_extractor=None, requires_safety_checker=False)
+        scheduler = sampling_scheduler(args.validation_scheduler, scheduler.config)
+        if "text_encoder_2" in parts:
+            pipe = StableDiffusionXLPipeline(**parts, scheduler=scheduler)
+        else:
+            pipe = StableDiffusionPipeline(**parts, scheduler=scheduler, safety_checker=None, feature_extractor=None,
+                                           requires_safety_checker=False)
         pipe.set_progress_bar_config(disable=True)
-        modes = (unet.training, text_encoder.training)
-        unet.eval()
-        text_encoder.eval()
+        models = [model for model in parts.values() if isinstance(model, torch.nn.Module)]
+        modes = [model.training for model in models]
+        for model in models:
+            model.eval()
         folder = os.path.join(args.output_dir, "samples", f"step-{step}")
         os.makedirs(folder, exist_ok=True)
         for p, prompt in enumerate(args.validation_prompt):
@@ -404,7 +420,7 @@ def validation_images(args, accelerator, vae, tokenizer, scheduler, unet, text_e
                     paths.append(os.path.join(folder, f"{p}-{j}{size}.png"))
                     image.save(paths[-1])
                 log_image(accelerator, f"validation/{p}{size}", image_grid(images, ncol=len(images)), step)
-        unet.train(modes[0])
-        text_encoder.train(modes[1])
+        for model, mode in zip(models, modes):
+            model.train(mode)
     accelerator.wait_for_everyone()
     return paths

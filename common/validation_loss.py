@@ -36,7 +36,8 @@ class HeldOutLoss:
     """loss = HeldOutLoss(held_out, encode, vae_config, prompt_ids, ...); loss(unet, embed) -> float (every process).
 
     held_out: an ImageDataset of the held-out images (no flips; buckets allowed); encode(pixels) -> the VAE's latent
-    parameters; prompt_ids: each image's prompt (an index for `embed`); embed(ids) -> encoder hidden states.
+    parameters; prompt_ids: each image's key for `embed` (its prompt's index); embed(ids) -> encoder hidden states,
+    or (encoder hidden states, the UNet's added_cond_kwargs) for SDXL.
     """
 
     def __init__(self, held_out, encode, vae_config, prompt_ids, num_train_timesteps, accelerator, seed,
@@ -90,7 +91,9 @@ class HeldOutLoss:
                 latents, noise, timesteps = latents.to(device), noise.to(device), timesteps.to(device)
                 noisy = scheduler.add_noise(latents, noise, timesteps)
                 target = diffusion_target(scheduler, latents, noise, timesteps)
-                pred = unet(noisy, timesteps, embed(ids), return_dict=False)[0]
+                condition = embed(ids)
+                hidden, added = condition if isinstance(condition, tuple) else (condition, None)
+                pred = unet(noisy, timesteps, hidden, added_cond_kwargs=added, return_dict=False)[0]
                 total += F.mse_loss(pred.float(), target.float(), reduction="none").mean(dim=(1, 2, 3)).sum()
         unet.train(training)
         return (self.accelerator.reduce(total, "sum") / self.count).item()

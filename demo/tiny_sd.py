@@ -1,4 +1,4 @@
-"""`python -m demo.tiny_sd`: a random-init Stable Diffusion pipeline, built locally, for offline runs.
+"""`python -m demo.tiny_sd`: a random-init Stable Diffusion (or SDXL) pipeline, built locally, for offline runs.
 
 The same layout as stable-diffusion-v1-5 (UNet2DConditionModel, AutoencoderKL, CLIPTextModel, CLIPTokenizer,
 DDPMScheduler with SD's betas), so `StableDiffusionPipeline.from_pretrained` loads it and train_lora.py trains on it
@@ -11,6 +11,12 @@ with cross-attention at both levels, a 2-layer CLIP text encoder (77 tokens).
 --architecture sd15: Stable Diffusion 1.5's own architecture from its public configs (UNet 860 M parameters, VAE
 84 M, CLIP ViT-L/14 text encoder 123 M), 512 px -> 64x64x4 latents: what GPU speed and memory are measured on
 (`make bench-gpu`). About 4 GB on disk; build it on a GPU (--device cuda) if one is there.
+--architecture tiny-sdxl (`make tiny-sdxl`): the same for Stable Diffusion XL (StableDiffusionXLPipeline): two text
+encoders (CLIPTextModel and CLIPTextModelWithProjection, 32- and 64-wide: the UNet attends to their 96-wide
+concatenation and takes the second's pooled embedding and the six size "time ids" through its added conditioning),
+a 2-level UNet with SDXL's block layout (no attention at the top level), the tiny VAE, SDXL's Euler scheduler.
+--architecture sdxl: SDXL's own architecture from its public configs (UNet 2.6 G parameters, VAE 84 M, text encoders
+123 M and 695 M), 1024 px -> 128x128x4 latents, for `make bench-gpu`; about 14 GB on disk (--device cuda).
 """
 import argparse
 import json
@@ -32,6 +38,24 @@ SD15 = {
                 layers_per_block=2, norm_num_groups=32, sample_size=512, scaling_factor=0.18215),
     "text": dict(vocab_size=49408, hidden_size=768, intermediate_size=3072, num_hidden_layers=12,
                  num_attention_heads=12, max_position_embeddings=77, projection_dim=768, hidden_act="quick_gelu"),
+}
+
+
+# stable-diffusion-xl-base-1.0's public configs (unet/, vae/, text_encoder/, text_encoder_2/config.json).
+SDXL = {
+    "unet": dict(sample_size=128, in_channels=4, out_channels=4, layers_per_block=2,
+                 block_out_channels=(320, 640, 1280),
+                 down_block_types=("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
+                 up_block_types=("CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"),
+                 transformer_layers_per_block=(1, 2, 10), attention_head_dim=(5, 10, 20), cross_attention_dim=2048,
+                 use_linear_projection=True, addition_embed_type="text_time", addition_time_embed_dim=256,
+                 projection_class_embeddings_input_dim=2816, norm_num_groups=32),
+    "vae": dict(in_channels=3, out_channels=3, latent_channels=4, block_out_channels=(128, 256, 512, 512),
+                down_block_types=["DownEncoderBlock2D"] * 4, up_block_types=["UpDecoderBlock2D"] * 4,
+                layers_per_block=2, norm_num_groups=32, sample_size=1024, scaling_factor=0.13025, force_upcast=True),
+    "text": SD15["text"],
+    "text_2": dict(vocab_size=49408, hidden_size=1280, intermediate_size=5120, num_hidden_layers=32,
+                   num_attention_heads=20, max_position_embeddings=77, projection_dim=1280, hidden_act="gelu"),
 }
 
 
@@ -59,19 +83,49 @@ def tiny_configs(unet_channels=(32, 64), text_dim=32):
     }
 
 
+def tiny_sdxl_configs(unet_channels=(32, 64), text_dims=(32, 64)):
+    """SDXL's layout scaled down: the UNet attends to both encoders' states side by side and adds the second's
+    pooled embedding and 6 time ids (each embedded in 8 sinusoidal channels)."""
+    tiny = tiny_configs(unet_channels, text_dims[0])
+    time_dim = 8
+    tiny["unet"] = dict(sample_size=8, in_channels=4, out_channels=4, layers_per_block=1,
+                        block_out_channels=tuple(unet_channels),
+                        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
+                        up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"), transformer_layers_per_block=(1, 2),
+                        attention_head_dim=(2, 4), cross_attention_dim=sum(text_dims), use_linear_projection=True,
+                        addition_embed_type="text_time", addition_time_embed_dim=time_dim,
+                        projection_class_embeddings_input_dim=text_dims[1] + 6 * time_dim,
+                        norm_num_groups=min(unet_channels) // 2)
+    tiny["text_2"] = dict(hidden_size=text_dims[1], intermediate_size=2 * text_dims[1], num_hidden_layers=2,
+                          num_attention_heads=4, max_position_embeddings=77, projection_dim=text_dims[1],
+                          hidden_act="gelu")
+    return tiny
+
+
 def build_random_sd(configs, seed=0, device="cpu"):
     """-> StableDiffusionPipeline with random weights (deterministic for a seed and device), on the CPU."""
     import torch
-    from diffusers import AutoencoderKL, DDPMScheduler, StableDiffusionPipeline, UNet2DConditionModel
-    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
+    from diffusers import (
+        AutoencoderKL,
+        DDPMScheduler,
+        EulerDiscreteScheduler,
+        StableDiffusionPipeline,
+        StableDiffusionXLPipeline,
+        UNet2DConditionModel,
+    )
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
 
     torch.manual_seed(seed)
     vocab = byte_level_vocab()
     tokenizer = CLIPTokenizer(vocab=vocab, merges=[], model_max_length=77)
+
+    def text_config(config):
+        return CLIPTextConfig(**{"vocab_size": len(vocab), **config}, bos_token_id=vocab["<|startoftext|>"],
+                              eos_token_id=vocab["<|endoftext|>"], pad_token_id=vocab["<|endoftext|>"])
+
     with torch.device(device):  # a large model initialises far faster on a GPU
-        text_encoder = CLIPTextModel(CLIPTextConfig(
-            **{"vocab_size": len(vocab), **configs["text"]}, bos_token_id=vocab["<|startoftext|>"],
-            eos_token_id=vocab["<|endoftext|>"], pad_token_id=vocab["<|endoftext|>"]))
+        text_encoder = CLIPTextModel(text_config(configs["text"]))
+        text_encoder_2 = CLIPTextModelWithProjection(text_config(configs["text_2"])) if "text_2" in configs else None
         vae = AutoencoderKL(**configs["vae"])
         if "scaling_factor" not in configs["vae"]:
             with torch.no_grad():  # scale the random VAE's latents to unit variance, as SD's 0.18215 does for its own
@@ -79,6 +133,14 @@ def build_random_sd(configs, seed=0, device="cpu"):
                 std = vae.encode(torch.rand(16, 3, size, size) * 2 - 1).latent_dist.mean.std().item()
             vae.register_to_config(scaling_factor=round(1.0 / std, 5))
         unet = UNet2DConditionModel(**configs["unet"])
+    if text_encoder_2 is not None:  # SDXL's own scheduler config
+        scheduler = EulerDiscreteScheduler(num_train_timesteps=1000, beta_start=0.00085, beta_end=0.012,
+                                           beta_schedule="scaled_linear", prediction_type="epsilon", steps_offset=1,
+                                           timestep_spacing="leading", interpolation_type="linear")
+        return StableDiffusionXLPipeline(vae=vae.cpu(), text_encoder=text_encoder.cpu(),
+                                         text_encoder_2=text_encoder_2.cpu(), tokenizer=tokenizer,
+                                         tokenizer_2=CLIPTokenizer(vocab=vocab, merges=[], model_max_length=77),
+                                         unet=unet.cpu(), scheduler=scheduler, force_zeros_for_empty_prompt=True)
     scheduler = DDPMScheduler(num_train_timesteps=1000, beta_start=0.00085, beta_end=0.012,
                               beta_schedule="scaled_linear", prediction_type="epsilon", clip_sample=False,
                               steps_offset=1)
@@ -94,34 +156,40 @@ def build_tiny_sd(unet_channels=(32, 64), text_dim=32, seed=0):
 
 def write_tiny_sd(output_dir, architecture="tiny", seed=0, device="cpu", **kwargs):
     """Build and save; the folder appears under its final name only when complete. -> the number of parameters."""
-    configs = SD15 if architecture == "sd15" else tiny_configs(**kwargs)
+    configs = {"sd15": SD15, "sdxl": SDXL, "tiny-sdxl": tiny_sdxl_configs(**kwargs)}.get(architecture) \
+        or tiny_configs(**kwargs)
     pipe = build_random_sd(configs, seed, device)
     output_dir = output_dir.rstrip("/")
     tmp = output_dir + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     pipe.save_pretrained(tmp, safe_serialization=True)
     vocab = byte_level_vocab()  # also the classic files, which older transformers versions read
-    with open(os.path.join(tmp, "tokenizer", "vocab.json"), "w") as f:
-        json.dump(vocab, f, ensure_ascii=False)
-    with open(os.path.join(tmp, "tokenizer", "merges.txt"), "w") as f:
-        f.write("#version: 0.2\n")
+    for tokenizer in ("tokenizer", "tokenizer_2"):
+        if os.path.isdir(os.path.join(tmp, tokenizer)):
+            with open(os.path.join(tmp, tokenizer, "vocab.json"), "w") as f:
+                json.dump(vocab, f, ensure_ascii=False)
+            with open(os.path.join(tmp, tokenizer, "merges.txt"), "w") as f:
+                f.write("#version: 0.2\n")
     with open(os.path.join(tmp, "README.md"), "w") as f:
-        what = "Stable Diffusion 1.5 architecture" if architecture == "sd15" else "tiny Stable Diffusion"
+        what = {"sd15": "Stable Diffusion 1.5 architecture", "sdxl": "Stable Diffusion XL architecture",
+                "tiny-sdxl": "tiny Stable Diffusion XL"}.get(architecture, "tiny Stable Diffusion")
         f.write(f"# {os.path.basename(output_dir)}\n\nA **random-init** {what} pipeline written by `python -m "
                 "demo.tiny_sd`, for offline runs, tests and benchmarks. It produces noise, not pictures.\n")
     if os.path.exists(output_dir):
         shutil.rmtree(output_dir)
     os.replace(tmp, output_dir)
-    return sum(p.numel() for m in (pipe.unet, pipe.vae, pipe.text_encoder) for p in m.parameters())
+    models = (pipe.unet, pipe.vae, pipe.text_encoder, getattr(pipe, "text_encoder_2", None))
+    return sum(p.numel() for m in models if m is not None for p in m.parameters())
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--output_dir", default="models/tiny-sd")
-    parser.add_argument("--architecture", choices=["tiny", "sd15"], default="tiny")
+    parser.add_argument("--architecture", choices=["tiny", "sd15", "tiny-sdxl", "sdxl"], default="tiny")
     parser.add_argument("--device", default="cpu", help="Where the weights are initialised (cuda: much faster).")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     n = write_tiny_sd(args.output_dir, args.architecture, args.seed, args.device)
-    print(f"wrote a random-init Stable Diffusion pipeline ({args.architecture}, {n / 1e6:.2f} M parameters) "
+    kind = "SDXL" if "sdxl" in args.architecture else "Stable Diffusion"
+    print(f"wrote a random-init {kind} pipeline ({args.architecture}, {n / 1e6:.2f} M parameters) "
           f"to {args.output_dir}")

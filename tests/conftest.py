@@ -156,3 +156,13 @@ def tiny_sd(tmp_path_factory):
     path = tmp_path_factory.mktemp("models") / "tiny-sd"
     write_tiny_sd(str(path))
     return path
+
+
+@pytest.fixture(scope="session")
+def tiny_sdxl(tmp_path_factory):
+    """The tiny random-init Stable Diffusion XL pipeline of `make tiny-sdxl`, built once per test session."""
+    from demo.tiny_sd import write_tiny_sd
+
+    path = tmp_path_factory.mktemp("models") / "tiny-sdxl"
+    write_tiny_sd(str(path), architecture="tiny-sdxl")
+    return path
