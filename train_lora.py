@@ -62,7 +62,7 @@ from common.cli import UserError, first_line, quiet_loading_bars, run
 from common.diffusion import SCHEDULER_CLASSES, SD_SCHEDULER, diffusion_loss, diffusion_target
 from common.lora_metadata import base_model_metadata, lora_metadata
 from common.optimizers import OPTIMIZERS, add_optimizer_args, check_optimizer_args
-from common.sdxl import TEXT_ENCODERS, embed_prompts, pipeline_kind
+from common.sdxl import TEXT_ENCODERS, embed_prompts, pipeline_kind, text_encoder_targets
 from common.stable_diffusion import (
     LORA_EMA_STATE,
     SHIPPED_BASE,
@@ -303,8 +303,9 @@ def main(args):
         raise UserError(f"--target_modules: {first_line(err)}") from None
     trained = {"unet": unet}  # what trains, by checkpoint subfolder
     for name, text_encoder in text_encoders.items() if args.train_text_encoder else ():
+        targets = text_encoder_targets(name, text_encoder, kind, TEXT_ENCODER_TARGETS)  # SDXL: not all layers
         text_encoder.add_adapter(LoraConfig(r=args.rank, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
-                                            init_lora_weights="gaussian", target_modules=TEXT_ENCODER_TARGETS,
+                                            init_lora_weights="gaussian", target_modules=targets,
                                             use_dora=args.use_dora))
         trained[name] = text_encoder
     cast_training_params(list(trained.values()), dtype=lora_dtype)

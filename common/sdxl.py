@@ -54,6 +54,18 @@ def embed_prompts(text_encoders, input_ids):
     return torch.cat(states, dim=-1), pooled
 
 
+def text_encoder_targets(name, encoder, kind, targets):
+    """The modules of text encoder `name` that get LoRA: those matching `targets`, except, for SDXL's first encoder,
+    those of its last layer, whose output nothing reads (the UNet takes the penultimate hidden states, the pooled
+    embedding comes from the second encoder): LoRA there would never train, and several processes (DDP) stop on
+    parameters that get no gradient."""
+    if not (kind == "sdxl" and name == "text_encoder"):
+        return targets
+    last = f"layers.{encoder.config.num_hidden_layers - 1}."
+    return [module for module, _ in encoder.named_modules()
+            if any(module.endswith("." + t) for t in targets) and last not in module]
+
+
 RESNET_PARTS = {"conv1": "in_layers.2", "conv2": "out_layers.3", "time_emb_proj": "emb_layers.1",
                 "conv_shortcut": "skip_connection", "norm1": "in_layers.0", "norm2": "out_layers.0"}
 TOP_LEVEL = {"conv_in": "input_blocks.0.0", "conv_out": "out.2", "time_embedding.linear_1": "time_embed.0",
