@@ -167,9 +167,14 @@ bench: data $(TINY_SD)
 # models/sd15-random the first time) at 512 px, batch 1 and 4, fp16 and bf16, with and without gradient
 # checkpointing, against its reference loop: steps/s, peak GPU memory, MFU; outputs/bench/gpu_results.json.
 # About 9 min on one H100 (8 recipe runs of ~45 s, most of it start-up). BENCH_ARGS="--precisions bf16" etc.
-.PHONY: bench-gpu
+.PHONY: bench-gpu bench-gpu-sdxl
 bench-gpu: data
 	$(PY) tests/benchmarks/gpu_lora.py $(BENCH_ARGS)
+
+# The same on SDXL's architecture (random weights, built into models/sdxl-random the first time) at 1024 px, bf16,
+# batch 1 and 4, with and without gradient checkpointing; outputs/bench/gpu_sdxl_results.json.
+bench-gpu-sdxl: data
+	$(PY) tests/benchmarks/gpu_lora.py --workload gpu_sdxl --output outputs/bench/gpu_sdxl_results.json $(BENCH_ARGS)
 
 clean:
 	rm -rf outputs data models .pytest_cache

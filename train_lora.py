@@ -60,7 +60,7 @@ from common.caption_files import caption_folder_reader, check_caption_args
 from common.checkpoints import read_checkpoint_info, resolve_resume
 from common.cli import UserError, first_line, quiet_loading_bars, run
 from common.diffusion import SCHEDULER_CLASSES, SD_SCHEDULER, diffusion_loss, diffusion_target
-from common.lora_metadata import base_model_metadata, lora_metadata
+from common.lora_metadata import base_model_metadata, lora_card, lora_metadata
 from common.optimizers import OPTIMIZERS, add_optimizer_args, check_optimizer_args
 from common.sdxl import TEXT_ENCODERS, embed_prompts, pipeline_kind, text_encoder_targets
 from common.stable_diffusion import (
@@ -549,27 +549,9 @@ def main(args):
             with ema_weights(ema, ema_params):
                 save_lora_weights(args.output_dir, unwrapped, info, kohya=args.export_kohya,
                                   metadata=file_metadata(global_step))
-            base = args.pretrained_model_name_or_path
-            pipeline_class = "StableDiffusionXLPipeline" if kind == "sdxl" else "StableDiffusionPipeline"
-            write_model_card(
-                args.output_dir, f"LoRA for {base}",
-                f"Trained with train_lora.py on `{args.dataset_name or args.train_data_dir}` for {global_step} "
-                f"optimizer steps. Sample: `python sample.py --model {args.output_dir} --prompt \"...\"`.",
-                {"base model": f"`{base}`" + (" (tiny, random-init: a smoke test, not a picture model)"
-                                               if "tiny-sd" in base else ""),
-                 "resolution": f"{args.resolution} px", "rank / alpha": f"{args.rank} / {args.lora_alpha:g}",
-                 "target modules": ", ".join(args.target_modules),
-                 "text encoder LoRA": args.train_text_encoder, "steps": global_step,
-                 "weights": (f"the EMA of the trained ones (decay up to {args.ema_max_decay:g}); the trained ones "
-                             "are in raw/") if ema is not None else "the trained ones",
-                 "trigger (caption prefix)": f"`{args.caption_prefix}`" if args.caption_prefix else "none",
-                 "final loss": f"{last_loss:.4f}" if last_loss is not None else "n/a",
-                 "validation prompts": "; ".join(args.validation_prompt) or "none"},
-                f"from diffusers import {pipeline_class}\n"
-                f'pipe = {pipeline_class}.from_pretrained("{info["base_model"]}")\n'
-                f'pipe.load_lora_weights("{args.output_dir}")\n'
-                f'image = pipe("{(args.validation_prompt or [prompts[-1]])[0]}").images[0]',
-                images=[os.path.relpath(p, args.output_dir) for p in images])
+            write_model_card(args.output_dir, *lora_card(args, info, kind, global_step, last_loss, ema is not None,
+                                                         (args.validation_prompt or [prompts[-1]])[0]),
+                             images=[os.path.relpath(p, args.output_dir) for p in images])
         metrics = {"trainable_parameters": num_trainable, "mixed_precision": accelerator.mixed_precision,
                    "resolution": args.resolution}
         if held_out_loss is not None:

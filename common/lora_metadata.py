@@ -1,6 +1,6 @@
-"""The safetensors metadata of train_lora.py's LoRA files: its own keys, kohya's ss_* keys as kohya's
-train_network.py writes them, and ModelSpec's modelspec.* keys (what A1111, ComfyUI and the model sites show).
-sample.py reads them back with common.stable_diffusion.describe_lora."""
+"""What train_lora.py's LoRAs say about themselves: the safetensors metadata of the LoRA files (its own keys, kohya's
+ss_* keys as kohya's train_network.py writes them, and ModelSpec's modelspec.* keys: what A1111, ComfyUI and the
+model sites show; sample.py reads them back with common.stable_diffusion.describe_lora), and the model card."""
 import json
 import os
 
@@ -55,3 +55,28 @@ def lora_metadata(args, info, base_version, step, max_train_steps, num_images, m
         "modelspec.sai_model_spec": "1.0.0", "modelspec.implementation": "diffusers", "modelspec.title": name,
         "modelspec.resolution": f"{size}x{size}", "modelspec.trigger_phrase": trigger, **base_version}
     return {key: value for key, value in metadata.items() if value}  # no empty trigger or text encoder targets
+
+
+def lora_card(args, info, kind, steps, last_loss, ema, prompt):
+    """The model card's (title, summary, facts, usage) for common/reporting.py's write_model_card: what was trained on
+    what, and how to load it (kind: "sd" or "sdxl"; ema: the exported weights are the EMA ones; prompt: the usage
+    example's)."""
+    base = args.pretrained_model_name_or_path
+    pipeline_class = "StableDiffusionXLPipeline" if kind == "sdxl" else "StableDiffusionPipeline"
+    summary = (f"Trained with train_lora.py on `{args.dataset_name or args.train_data_dir}` for {steps} optimizer "
+               f"steps. Sample: `python sample.py --model {args.output_dir} --prompt \"...\"`.")
+    facts = {"base model": f"`{base}`" + (" (tiny, random-init: a smoke test, not a picture model)"
+                                          if "tiny-sd" in base else ""),
+             "resolution": f"{args.resolution} px", "rank / alpha": f"{args.rank} / {args.lora_alpha:g}",
+             "target modules": ", ".join(args.target_modules), "text encoder LoRA": args.train_text_encoder,
+             "steps": steps,
+             "weights": (f"the EMA of the trained ones (decay up to {args.ema_max_decay:g}); the trained ones are "
+                         "in raw/") if ema else "the trained ones",
+             "trigger (caption prefix)": f"`{args.caption_prefix}`" if args.caption_prefix else "none",
+             "final loss": f"{last_loss:.4f}" if last_loss is not None else "n/a",
+             "validation prompts": "; ".join(args.validation_prompt) or "none"}
+    usage = (f"from diffusers import {pipeline_class}\n"
+             f'pipe = {pipeline_class}.from_pretrained("{info["base_model"]}")\n'
+             f'pipe.load_lora_weights("{args.output_dir}")\n'
+             f'image = pipe("{prompt}").images[0]')
+    return f"LoRA for {base}", summary, facts, usage

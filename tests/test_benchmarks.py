@@ -41,6 +41,39 @@ def test_sd15_architecture_has_stable_diffusion_1_5_parameter_counts():
     assert counts == {"unet": 859_520_964, "vae": 83_653_863, "text": 123_060_480}  # stable-diffusion-v1-5's
 
 
+def test_sdxl_architecture_has_sdxl_parameter_counts():
+    import torch
+    from diffusers import AutoencoderKL, UNet2DConditionModel
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
+
+    from demo.tiny_sd import SDXL
+
+    with torch.device("meta"):
+        models = {"unet": UNet2DConditionModel(**SDXL["unet"]), "vae": AutoencoderKL(**SDXL["vae"]),
+                  "text": CLIPTextModel(CLIPTextConfig(**SDXL["text"])),
+                  "text_2": CLIPTextModelWithProjection(CLIPTextConfig(**SDXL["text_2"]))}
+    counts = {name: sum(p.numel() for p in m.parameters()) for name, m in models.items()}
+    # stable-diffusion-xl-base-1.0's: UNet 2.6 G, the SD VAE, CLIP ViT-L/14's and OpenCLIP ViT-bigG/14's text towers
+    assert counts == {"unet": 2_567_463_684, "vae": 83_653_863, "text": 123_060_480, "text_2": 694_659_840}
+
+
+def test_gpu_bench_reference_loop_runs_on_sdxl(tiny_sdxl, tmp_path):
+    """`make bench-gpu-sdxl`'s reference loop (the pooled embedding and time ids too), as a CPU smoke run on the
+    tiny SDXL; the recipe side is train_lora.py on SDXL, tested in test_lora_sdxl.py."""
+    config = tmp_path / "workloads.toml"
+    config.write_text(f"[gpu_sdxl]\nbase = {json.dumps(str(tiny_sdxl))}\narchitecture = \"sdxl\"\nresolution = 32\n"
+                      "batch_sizes = [2]\nprecisions = [\"no\"]\nsteps = 6\nwarmup = 2\nargs = []\n"
+                      "[gpu_sdxl.env]\nHF_HUB_OFFLINE = \"1\"\n")
+    output = tmp_path / "gpu_sdxl_results.json"
+    proc = subprocess.run(
+        [sys.executable, "tests/benchmarks/gpu_lora.py", "--config", str(config), "--workload", "gpu_sdxl",
+         "--device", "cpu", "--gradient_checkpointing", "off", "--no_recipe", "--output", str(output)],
+        cwd=ROOT, env=offline_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    (run,) = json.loads(output.read_text())["configs"]
+    assert run["reference"]["steps_per_second"] > 0 and run["reference"]["flops_per_step"] > 1e6
+
+
 def test_gpu_lora_bench_runs_the_reference_and_the_recipe(digits, tiny_sd, tmp_path):
     import tomllib
 

@@ -1,7 +1,9 @@
-"""`make bench-gpu`: LoRA on a Stable-Diffusion-1.5-architecture UNet at 512 px on one GPU, the recipe against a
-hand-written reference loop: steps/s, peak GPU memory and model FLOP utilisation (MFU).
+"""`make bench-gpu`: LoRA on a Stable-Diffusion-1.5-architecture UNet at 512 px on one GPU (`make bench-gpu-sdxl`:
+SDXL's at 1024 px), the recipe against a hand-written reference loop: steps/s, peak GPU memory and model FLOP
+utilisation (MFU).
 
     python tests/benchmarks/gpu_lora.py                      # the [gpu] matrix of workloads.toml
+    python tests/benchmarks/gpu_lora.py --workload gpu_sdxl  # the [gpu_sdxl] one: SDXL at 1024 px
     python tests/benchmarks/gpu_lora.py --batch_sizes 4 --precisions bf16 --gradient_checkpointing off
 
 The base is SD 1.5's architecture with random weights, built locally from its public configs (`python -m
@@ -13,7 +15,8 @@ of the real model. For each batch size x precision x gradient checkpointing:
   latent caching included);
 - reference: the same UNet, LoRA (rank 8 on to_k,to_q,to_v,to_out.0, fp32 weights over a frozen fp16/bf16 base),
   SDPA, autocast, grad scaler (fp16), clipping and fused AdamW in a bare PyTorch loop on random latents and text
-  embeddings already on the GPU, with no host sync inside the timed steps: the practical upper bound.
+  embeddings (SDXL: and pooled embeddings and time ids) already on the GPU, with no host sync inside the timed
+  steps: the practical upper bound.
 MFU = the model FLOPs of one training step (counted by torch.utils.flop_counter on the reference step, without
 gradient checkpointing's recomputation) x steps/s / the GPU's dense fp16/bf16 peak (datasheet). The 8192^3 bf16
 matrix product's measured rate is reported beside it. Results: outputs/bench/gpu_results.json, and a table.
@@ -89,6 +92,13 @@ def reference_step(unet, scheduler, batch_size, precision, device):
     size, width = unet.config.sample_size, unet.config.cross_attention_dim
     latents = [torch.randn(batch_size, 4, size, size, device=device) for _ in range(4)]
     embeds = torch.randn(batch_size, 77, width, device=device, dtype=unet.dtype)
+    added = None  # SDXL: the pooled text embedding and the six time ids
+    if unet.config.addition_embed_type == "text_time":
+        pooled = unet.config.projection_class_embeddings_input_dim - 6 * unet.config.addition_time_embed_dim
+        pixels = 8 * size
+        added = {"text_embeds": torch.randn(batch_size, pooled, device=device, dtype=unet.dtype),
+                 "time_ids": torch.tensor([[pixels, pixels, 0, 0, pixels, pixels]] * batch_size, device=device,
+                                          dtype=unet.dtype)}
     params = [p for p in unet.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-4, weight_decay=1e-2, fused=True)
     scaler = torch.amp.GradScaler(device.type) if precision == "fp16" else None
@@ -100,7 +110,7 @@ def reference_step(unet, scheduler, batch_size, precision, device):
         noise = torch.randn_like(clean)
         t = torch.randint(0, scheduler.config.num_train_timesteps, (batch_size,), device=device)
         with torch.autocast(device.type, dtype=dtype, enabled=autocast):
-            pred = unet(scheduler.add_noise(clean, noise, t), t, embeds, return_dict=False)[0]
+            pred = unet(scheduler.add_noise(clean, noise, t), t, embeds, added_cond_kwargs=added, return_dict=False)[0]
         loss = F.mse_loss(pred.float(), noise)
         if scaler:
             scaler.scale(loss).backward()
@@ -218,6 +228,7 @@ def table(results):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default=os.path.join(HERE, "workloads.toml"))
+    parser.add_argument("--workload", default="gpu", help="The table of --config: gpu (SD 1.5) or gpu_sdxl.")
     parser.add_argument("--base", default=None, help="Default: the config's (built there when missing).")
     parser.add_argument("--batch_sizes", default=None, help="e.g. 1,4 (default: the config's).")
     parser.add_argument("--precisions", default=None, help="e.g. fp16,bf16 (default: the config's).")
@@ -233,7 +244,7 @@ def main():
     parser.add_argument("--output", default=os.path.join(run_bench.OUT, "gpu_results.json"))
     args = parser.parse_args()
     with open(args.config, "rb") as f:
-        g = tomllib.load(f)["gpu"]
+        g = tomllib.load(f)[args.workload]
     for key in ("base", "resolution", "steps", "warmup"):
         g[key] = getattr(args, key) or g[key]
     batch_sizes = [int(b) for b in (args.batch_sizes or ",".join(map(str, g["batch_sizes"]))).split(",")]
@@ -250,8 +261,8 @@ def main():
         from demo.tiny_sd import write_tiny_sd
 
         start = time.perf_counter()
-        n = write_tiny_sd(base, "sd15", device=args.device)
-        print(f"built the random-init SD 1.5 architecture ({n / 1e6:.0f} M parameters) in "
+        n = write_tiny_sd(base, g.get("architecture", "sd15"), device=args.device)
+        print(f"built the random-init {g.get('architecture', 'sd15')} architecture ({n / 1e6:.0f} M parameters) in "
               f"{time.perf_counter() - start:.0f} s: {base}", flush=True)
     root = os.path.dirname(os.path.abspath(args.output))  # the recipes' output folders and logs: beside it
     os.makedirs(os.path.join(root, "logs"), exist_ok=True)
@@ -290,7 +301,7 @@ def main():
     if not args.no_recipe:
         launch = ["launch", "--config_file", args.launch_config, *args.launch_args.split()]
         for r in results["configs"]:
-            name = f"gpu-{r['precision']}-b{r['batch_size']}{'-gc' if r['gradient_checkpointing'] else ''}"
+            name = f"{args.workload}-{r['precision']}-b{r['batch_size']}{'-gc' if r['gradient_checkpointing'] else ''}"
             r["recipe"] = recipe_run(base, r["batch_size"], r["precision"], r["gradient_checkpointing"], g, launch,
                                      env, name, root)
             print(f"recipe {name}: {r['recipe']['steps_per_second']:.2f} steps/s, "
