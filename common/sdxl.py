@@ -68,6 +68,17 @@ def lora_kind(metadata, keys):
     return None, None
 
 
+def folder_kind(path):
+    """"sd" or "sdxl" for a local pipeline folder whose model_index.json names StableDiffusionPipeline or
+    StableDiffusionXLPipeline; None for anything else (another pipeline, a hub id), without an error."""
+    try:
+        with open(os.path.join(path, "model_index.json")) as f:
+            index = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return PIPELINE_CLASSES.get(index.get("_class_name")) if isinstance(index, dict) else None
+
+
 def check_lora_base(flag, path, metadata, keys, base, base_kind):
     """A LoRA file that says it was made for the other kind of base than `base_kind` ("sd"/"sdxl"; None: unknown)
     is one line, before anything loads."""

@@ -127,6 +127,37 @@ def test_base_alone_and_lora_file_on_the_base(drawn, loras, tiny_sdxl, tmp_path,
     assert not (tmp_path / "skip").exists()
 
 
+@pytest.mark.parametrize("guidance,batch", [(7.5, 2), (1.0, 1)])
+def test_trace_shows_both_encoders_the_pooled_embedding_and_the_time_ids(tiny_sdxl, guidance, batch):
+    import inspect_pipeline as ip
+
+    torch.set_num_threads(1)
+    args = ip.parse_args([str(tiny_sdxl), "--trace", "--num_inference_steps", "2", "--guidance_scale", str(guidance),
+                          "--num_images", str(batch)])
+    pipe, labels, _ = ip.load_pipeline(args, torch.float32)
+    pipe.set_progress_bar_config(disable=True)
+    report, images, _ = ip.trace(pipe, args, labels, torch.device("cpu"))
+    stages = {s["stage"]: s for s in report["stages"]}
+    widths = [pipe.text_encoder.config.hidden_size, pipe.text_encoder_2.config.hidden_size]  # 32, 64
+    pooled = pipe.text_encoder_2.config.projection_dim  # 64 (1280 in SDXL)
+    assert stages["text_encoder"]["hidden_states[-2]"] == [1, 77, widths[0]]
+    assert stages["text_encoder_2"]["hidden_states[-2]"] == [1, 77, widths[1]]
+    assert stages["text_encoder_2"]["text_embeds"] == [1, pooled]
+    assert stages["_get_add_time_ids"]["values"] == [32, 32, 0, 0, 32, 32]  # original size, crop, target size
+    cfg = 2 if guidance > 1 else 1
+    n = cfg * batch  # [2B, ...] under classifier-free guidance
+    unet_in = {"sample": [n, 4, 8, 8], "encoder_hidden_states": [n, 77, sum(widths)], "text_embeds": [n, pooled],
+               "time_ids": [n, 6]}
+    steps = [s for s in report["stages"] if s["stage"] == "denoise"]
+    assert len(steps) == 2 and all(s["unet_in"] == unet_in for s in steps)
+    assert steps[0]["callback_on_step_end"]["add_time_ids"] == [n, 6]
+    assert sum(widths) == pipe.unet.config.cross_attention_dim == 96 and report["guided"] == (cfg == 2)
+    assert ("force_zeros_for_empty_prompt" in report["how"]) == (cfg == 2)
+    direct = pipe(args.prompt, num_inference_steps=2, guidance_scale=guidance, num_images_per_prompt=batch,
+                  generator=torch.Generator().manual_seed(args.seed)).images
+    assert [i.tobytes() for i in images] == [i.tobytes() for i in direct]  # the hooks changed nothing
+
+
 def test_a_lora_for_the_other_base_and_an_unknown_pipeline_are_one_line(loras, tiny_sd, tiny_sdxl, tmp_path):
     """Told from the file's metadata, else its keys, before anything loads; nothing is written."""
     out = tmp_path / "out"
@@ -139,6 +170,7 @@ def test_a_lora_for_the_other_base_and_an_unknown_pipeline_are_one_line(loras, t
             (tiny_sdxl, loras["sd_kohya_keys"], (sd, "its key lora_te_"))):
         proc = run_script("sample.py", "--model", base, "--lora", lora, "--prompt", "a digit", "--output_dir", out)
         assert_one_line_error(proc, *needles)
+    assert_one_line_error(run_script("inspect_pipeline.py", tiny_sdxl, "--lora", loras["sd"]), sd)
     odd = tmp_path / "odd"
     shutil.copytree(tiny_sdxl, odd)
     index = json.loads((odd / "model_index.json").read_text())
