@@ -9,6 +9,10 @@ A train_ddpm.py output or checkpoint (EMA weights when present):
 A train_lora.py output or checkpoint (its base model is read from its metadata), or a base with LoRAs:
     python sample.py --model outputs/lora --prompt "a handwritten digit seven"
     python sample.py --model stable-diffusion-v1-5/stable-diffusion-v1-5 --lora outputs/lora:0.8 --prompt "..."
+Stable Diffusion XL the same way (StableDiffusionXLPipeline, from the base's model_index.json):
+    python sample.py --model models/tiny-sdxl --prompt "a handwritten digit seven" --num_images 4
+    python sample.py --model stabilityai/stable-diffusion-xl-base-1.0 --lora outputs/lora-sdxl:0.8 --prompt "..." \
+        --device cuda --dtype fp16
 
 Copy with: common/__init__.py, common/args.py, common/checkpoints.py, common/cli.py, common/diffusion.py, common/pipelines.py, common/reporting.py, common/sdxl.py, common/stable_diffusion.py
 """  # noqa: E501 (the copy list stays one line, for grep)
@@ -32,15 +36,16 @@ from common.pipelines import class_label_ids, model_kind, read_labels
 
 def parse_args(argv=None):
     parser = make_parser(__doc__.splitlines()[0])
-    parser.add_argument("--model", required=True, help="Output/checkpoint folder of a recipe, or a pipeline.")
+    parser.add_argument("--model", required=True,
+                        help="Output/checkpoint folder of a recipe, or a pipeline (Stable Diffusion 1.x/2.x or XL).")
     parser.add_argument("--output_dir", default=None, help="Default: <model>/samples.")
     parser.add_argument("--num_images", type=positive_int, default=8, help="Images per label or prompt.")
     parser.add_argument("--batch_size", type=positive_int, default=16)
     parser.add_argument("--seed", type=non_negative_int, default=0)
     parser.add_argument("--scheduler", default=None, choices=sorted(SCHEDULER_CLASSES),
                         help=f"Default: {DEFAULT_SCHEDULER} for train_ddpm.py outputs, {SD_SCHEDULER} "
-                             "(DPM-Solver++) for Stable Diffusion; built with the noise schedule and prediction "
-                             "type the model was trained with.")
+                             "(DPM-Solver++) for Stable Diffusion and SDXL; built with the noise schedule and "
+                             "prediction type the model was trained with.")
     parser.add_argument("--num_inference_steps", type=positive_int, default=None)
     parser.add_argument("--guidance_scale", type=positive_float, default=None)
     add_device_args(parser)
@@ -49,15 +54,18 @@ def parse_args(argv=None):
                         help="Class name or id (repeatable), or 'all' for a row per class.")
     parser.add_argument("--no_ema", action="store_true",
                         help="Use the raw weights of a checkpoint, not its EMA (a final output holds only one set).")
-    # Stable Diffusion (train_lora.py outputs, hub pipelines)
+    # Stable Diffusion 1.x/2.x and XL (train_lora.py outputs, hub pipelines)
     parser.add_argument("--prompt", action="append", default=None, help="Repeatable.")
     parser.add_argument("--negative_prompt", default=None)
-    parser.add_argument("--lora", action="append", default=[], help="PATH[:SCALE], repeatable.")
+    parser.add_argument("--lora", action="append", default=[],
+                        help="PATH[:SCALE], repeatable; made for the base's kind (SD 1.x/2.x or SDXL).")
     parser.add_argument("--lora_scale", type=float, nargs="+", default=[1.0],
                         help="Multiplies every LoRA's scale; several values (e.g. 0 0.5 1) draw every prompt and "
                              "seed at each, a grid row per scale and prompt (0: the base alone).")
     parser.add_argument("--guidance_rescale", type=float, default=0.0)
-    parser.add_argument("--clip_skip", type=non_negative_int, default=None)
+    parser.add_argument("--clip_skip", type=non_negative_int, default=None,
+                        help="Text encoder layers to skip, as the diffusers pipelines count them (SDXL from its "
+                             "penultimate layer).")
     parser.add_argument("--height", type=positive_int, default=None)
     parser.add_argument("--width", type=positive_int, default=None)
     return parser.parse_args(argv)
