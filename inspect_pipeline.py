@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """See what a diffusion pipeline holds and what its __call__ really does, with shapes and wall times.
 
-Prints the components (parameters, dtype, device, size), the scheduler, the denoiser's key config, the text encoder
-and tokenizer, and the VAE (latent shape at --height/--width). --lora: what a LoRA adapts, its rank and alpha, and
+Prints the components (parameters, dtype, device, size), the scheduler, the denoiser's key config, the text encoders
+and tokenizers, and the VAE (latent shape at --height/--width). --lora: what a LoRA adapts, its rank and alpha, and
 how many parameters it adds. --trace: one real call, stage by stage, recorded through the pipeline's own
 callback_on_step_end, forward hooks and wrappers around the methods it calls; nothing is re-implemented, so what is
 shown is what runs. --save_trajectory: the predicted clean image x0 at several steps, side by side. --json: all of it.
@@ -11,6 +11,8 @@ The demo base (a tiny random-init Stable Diffusion built offline; prints noise-l
     make inspect
     python inspect_pipeline.py models/tiny-sd --trace --num_inference_steps 4 --save_trajectory x0.png
     python inspect_pipeline.py models/tiny-sd --trace --guidance_scale 1 --json    # no guidance: batch B, not 2B
+An SDXL pipeline (`make tiny-sdxl`): the trace shows both text encoders, the pooled embedding and the time ids:
+    python inspect_pipeline.py models/tiny-sdxl --trace --num_inference_steps 4
 A train_ddpm.py output or checkpoint (class-conditional ones are traced through sample.py's loop, with labels):
     python inspect_pipeline.py outputs/ddpm --trace --class_label 7 --guidance_scale 2 --save_trajectory x0.png
 A train_lora.py output (its base is read from lora_info.json), or any base with a LoRA:
@@ -38,7 +40,8 @@ from common.diffusion import DEFAULT_GUIDANCE_SCALE
 from common.pipeline_report import describe, load_lora, print_report
 from common.pipeline_trace import trace
 from common.pipelines import model_kind, read_labels
-from common.stable_diffusion import LORA_WEIGHTS, check_safetensors, read_lora_info
+from common.sdxl import check_lora_base, folder_kind
+from common.stable_diffusion import LORA_WEIGHTS, check_safetensors, lora_file_metadata, read_lora_info
 
 # diffusers and torch are imported in main() and the functions it calls: --help and flag errors answer at once.
 
@@ -57,8 +60,8 @@ def parse_args(argv=None):
     g.add_argument("--prompt", default="a handwritten digit seven")
     g.add_argument("--num_inference_steps", type=positive_int, default=10)
     g.add_argument("--guidance_scale", type=float, default=None,
-                   help=f"Default: 7.5 for Stable Diffusion (its own default), {DEFAULT_GUIDANCE_SCALE} for a "
-                        "class-conditional DDPM (sample.py's).")
+                   help=f"Default: 7.5 for Stable Diffusion and SDXL (SD's own default), {DEFAULT_GUIDANCE_SCALE} for "
+                        "a class-conditional DDPM (sample.py's defaults).")
     g.add_argument("--num_images", type=positive_int, default=1, help="Batch size B (num_images_per_prompt).")
     g.add_argument("--class_label", default=None, help="Class-conditional DDPM: class name or id (default: id 0).")
     g.add_argument("--seed", type=non_negative_int, default=0)
@@ -87,7 +90,8 @@ def check_args(args):
         weights = os.path.join(args.lora, LORA_WEIGHTS) if os.path.isdir(args.lora) else args.lora
         if not os.path.isfile(weights) or not weights.endswith(".safetensors"):
             raise UserError(f"--lora '{args.lora}' is neither a .safetensors file nor a folder with {LORA_WEIGHTS}")
-        check_safetensors(weights, "--lora")
+        keys = check_safetensors(weights, "--lora")  # an SDXL LoRA on SD 1.5 or the reverse: before anything loads
+        check_lora_base("--lora", args.lora, lora_file_metadata(weights), keys, args.model, folder_kind(args.model))
     if args.save_trajectory:
         args.trace = True
         if not args.save_trajectory.lower().endswith(".png"):

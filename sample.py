@@ -9,6 +9,10 @@ A train_ddpm.py output or checkpoint (EMA weights when present):
 A train_lora.py output or checkpoint (its base model is read from its metadata), or a base with LoRAs:
     python sample.py --model outputs/lora --prompt "a handwritten digit seven"
     python sample.py --model stable-diffusion-v1-5/stable-diffusion-v1-5 --lora outputs/lora:0.8 --prompt "..."
+Stable Diffusion XL the same way (StableDiffusionXLPipeline, from the base's model_index.json):
+    python sample.py --model models/tiny-sdxl --prompt "a handwritten digit seven" --num_images 4
+    python sample.py --model stabilityai/stable-diffusion-xl-base-1.0 --lora outputs/lora-sdxl:0.8 --prompt "..." \
+        --device cuda --dtype fp16
 
 Copy with: common/__init__.py, common/args.py, common/checkpoints.py, common/cli.py, common/diffusion.py, common/pipelines.py, common/reporting.py, common/sdxl.py, common/stable_diffusion.py
 """  # noqa: E501 (the copy list stays one line, for grep)
@@ -32,15 +36,16 @@ from common.pipelines import class_label_ids, model_kind, read_labels
 
 def parse_args(argv=None):
     parser = make_parser(__doc__.splitlines()[0])
-    parser.add_argument("--model", required=True, help="Output/checkpoint folder of a recipe, or a pipeline.")
+    parser.add_argument("--model", required=True,
+                        help="Output/checkpoint folder of a recipe, or a pipeline (Stable Diffusion 1.x/2.x or XL).")
     parser.add_argument("--output_dir", default=None, help="Default: <model>/samples.")
     parser.add_argument("--num_images", type=positive_int, default=8, help="Images per label or prompt.")
     parser.add_argument("--batch_size", type=positive_int, default=16)
     parser.add_argument("--seed", type=non_negative_int, default=0)
     parser.add_argument("--scheduler", default=None, choices=sorted(SCHEDULER_CLASSES),
                         help=f"Default: {DEFAULT_SCHEDULER} for train_ddpm.py outputs, {SD_SCHEDULER} "
-                             "(DPM-Solver++) for Stable Diffusion; built with the noise schedule and prediction "
-                             "type the model was trained with.")
+                             "(DPM-Solver++) for Stable Diffusion and SDXL; built with the noise schedule and "
+                             "prediction type the model was trained with.")
     parser.add_argument("--num_inference_steps", type=positive_int, default=None)
     parser.add_argument("--guidance_scale", type=positive_float, default=None)
     add_device_args(parser)
@@ -49,15 +54,18 @@ def parse_args(argv=None):
                         help="Class name or id (repeatable), or 'all' for a row per class.")
     parser.add_argument("--no_ema", action="store_true",
                         help="Use the raw weights of a checkpoint, not its EMA (a final output holds only one set).")
-    # Stable Diffusion (train_lora.py outputs, hub pipelines)
+    # Stable Diffusion 1.x/2.x and XL (train_lora.py outputs, hub pipelines)
     parser.add_argument("--prompt", action="append", default=None, help="Repeatable.")
     parser.add_argument("--negative_prompt", default=None)
-    parser.add_argument("--lora", action="append", default=[], help="PATH[:SCALE], repeatable.")
+    parser.add_argument("--lora", action="append", default=[],
+                        help="PATH[:SCALE], repeatable; made for the base's kind (SD 1.x/2.x or SDXL).")
     parser.add_argument("--lora_scale", type=float, nargs="+", default=[1.0],
                         help="Multiplies every LoRA's scale; several values (e.g. 0 0.5 1) draw every prompt and "
                              "seed at each, a grid row per scale and prompt (0: the base alone).")
     parser.add_argument("--guidance_rescale", type=float, default=0.0)
-    parser.add_argument("--clip_skip", type=non_negative_int, default=None)
+    parser.add_argument("--clip_skip", type=non_negative_int, default=None,
+                        help="Text encoder layers to skip, as the diffusers pipelines count them (SDXL from its "
+                             "penultimate layer).")
     parser.add_argument("--height", type=positive_int, default=None)
     parser.add_argument("--width", type=positive_int, default=None)
     return parser.parse_args(argv)
@@ -162,8 +170,9 @@ def sample_ddpm(args):
 
 
 def sample_sd(args):
-    """A Stable Diffusion pipeline (hub id or folder) with --lora PATH[:SCALE]..., or a train_lora.py output or
-    checkpoint-N (its base is read from its lora_info.json). Image j of every prompt starts from seed + j."""
+    """A Stable Diffusion or SDXL pipeline (hub id or folder) with --lora PATH[:SCALE]..., or a train_lora.py output
+    or checkpoint-N (its base is read from its lora_info.json). Image j of every prompt starts from seed + j."""
+    from common.sdxl import check_lora_base, pipeline_kind
     from common.stable_diffusion import (
         LORA_WEIGHTS,
         check_safetensors,
@@ -183,24 +192,31 @@ def sample_sd(args):
     base = info["base_model"] if info else args.model
     if info:
         loras.insert(0, (args.model, 1.0))
-    check_sd_pipeline(base, f"base model of {args.model} (lora_info.json)" if info else "--model")
+    base_flag = f"base model of {args.model} (lora_info.json)" if info else "--model"
+    check_sd_pipeline(base, base_flag)
+    base_version = {"revision": info.get("revision"), "variant": info.get("variant")} if info else {}
+    uses = "sample.py draws from"
+    kind = pipeline_kind(base, base_flag, uses=uses) if os.path.isdir(base) else None  # a hub id's: below
+    local = {}  # path -> (metadata, tensor names) of each local LoRA file
     for path, _ in loras:
         if os.path.isdir(path) and not os.path.isfile(os.path.join(path, LORA_WEIGHTS)):
             raise UserError(f"--lora '{path}': no {LORA_WEIGHTS} in that folder")
         if not os.path.exists(path) and not is_hub_id(path):
             raise UserError(f"--lora '{path}': no such file or folder")
         if os.path.exists(path):  # a damaged or non-safetensors file: at once, not after the base has loaded
-            check_safetensors(os.path.join(path, LORA_WEIGHTS) if os.path.isdir(path) else path, "--lora")
+            keys = check_safetensors(os.path.join(path, LORA_WEIGHTS) if os.path.isdir(path) else path, "--lora")
+            local[path] = lora_file_metadata(path), keys
+            check_lora_base("--lora", path, *local[path], base, kind)  # SDXL on SD 1.5 or the reverse
     check_writable(output_dir(args), "--output_dir")
     for path, scale in loras:  # what each LoRA file says of its training, before the long part
-        if os.path.exists(path):
-            lines = describe_lora(lora_file_metadata(path)) or ["no training metadata in the file"]
+        if path in local:
+            lines = describe_lora(local[path][0]) or ["no training metadata in the file"]
             print(f"LoRA {path} (scale {scale:g}):" + "".join(f"\n  {line}" for line in lines), flush=True)
 
     import warnings
 
     import torch
-    from diffusers import AutoencoderKL, StableDiffusionPipeline
+    from diffusers import AutoencoderKL, StableDiffusionPipeline, StableDiffusionXLPipeline
     from diffusers.utils import logging as diffusers_logging
     from transformers.utils import logging as transformers_logging
 
@@ -208,11 +224,15 @@ def sample_sd(args):
 
     from common.diffusion import sampling_scheduler
 
+    if kind is None:  # a hub base: its model_index.json alone, before the weights
+        kind = pipeline_kind(base, base_flag, revision=base_version.get("revision"), uses=uses)
+        for path in local:
+            check_lora_base("--lora", path, *local[path], base, kind)
+    pipeline_class = StableDiffusionXLPipeline if kind == "sdxl" else StableDiffusionPipeline
     device, dtype = device_and_dtype(args.device, args.dtype)
-    base_version = {"revision": info.get("revision"), "variant": info.get("variant")} if info else {}
-    try:  # the VAE in fp32 whatever --dtype says: an fp16 one decodes into black images
+    try:  # the VAE in fp32 whatever --dtype says: an fp16 one decodes into black images (SDXL's above all)
         vae = AutoencoderKL.from_pretrained(base, subfolder="vae", dtype=torch.float32, **base_version)
-        pipe = StableDiffusionPipeline.from_pretrained(base, vae=vae, dtype=dtype, **base_version)
+        pipe = pipeline_class.from_pretrained(base, vae=vae, dtype=dtype, **base_version)
     except (OSError, ValueError) as err:
         raise load_error("--model", base, err) from None
     if info and info.get("prediction_type"):  # the LoRA was trained to predict something else than its base
@@ -269,6 +289,13 @@ def draw_sd(pipe, args, images, params, common, steps, guidance):
             near = sorted({max(factor, value // factor * factor), (value // factor + 1) * factor})
             raise UserError(f"{flag} {value} is not divisible by {factor}, the VAE's downsampling factor; use "
                             f"{' or '.join(map(str, near))}")
+    if args.clip_skip:  # SD takes hidden state -(clip_skip + 1) of its encoder, SDXL -(clip_skip + 2) of both
+        encoders = [e for e in (pipe.text_encoder, getattr(pipe, "text_encoder_2", None)) if e is not None]
+        layers = min(e.config.num_hidden_layers for e in encoders)
+        most = layers - 1 if len(encoders) == 2 else layers
+        if args.clip_skip > most:
+            raise UserError(f"--clip_skip {args.clip_skip}: the text encoder of this base has {layers} layers; give "
+                            f"at most {most}")
     jobs = [(prompt, j) for prompt in args.prompt for j in range(args.num_images)]
     first = len(images)
     for start in range(0, len(jobs), args.batch_size):
@@ -308,9 +335,6 @@ def parse_lora(spec):
 
 def main(args):
     kind = model_kind(args.model, "--model")
-    if kind == "sdxl":
-        raise UserError(f"--model '{args.model}' is a Stable Diffusion XL pipeline; sample.py draws from Stable "
-                        "Diffusion 1.x/2.x pipelines, train_lora.py outputs and train_ddpm.py outputs")
     paths = sample_ddpm(args) if kind in ("ddpm", "checkpoint") else sample_sd(args)
     print(f"wrote {len(paths)} images and grid.png to {os.path.dirname(paths[0])}")
 

@@ -42,7 +42,8 @@ def describe(pipe, labels, args):
     d = {"component": name, "class": type(model).__name__, **pick(model.config, [
         "sample_size", "in_channels", "out_channels", "block_out_channels", "layers_per_block", "down_block_types",
         "cross_attention_dim", "attention_head_dim", "num_attention_heads", "num_class_embeds", "class_embed_type",
-        "time_cond_proj_dim"])}
+        "time_cond_proj_dim", "addition_embed_type", "addition_time_embed_dim",
+        "projection_class_embeddings_input_dim"])}  # SDXL: the pooled text embedding and time ids, added
     # The config's head numbers are famously mislabelled in SD 1.x (attention_head_dim holds the head count):
     # count what the built modules really use.
     kinds = [f"{'cross' if m.is_cross_attention else 'self'}-attention ({m.heads} heads x {m.inner_dim // m.heads} "

@@ -83,6 +83,8 @@ def watch_denoiser(rec, unet, scheduler, trajectory_steps):
         cond = kw.get("encoder_hidden_states", a[2] if len(a) > 2 else None)
         if cond is not None:
             inputs["encoder_hidden_states"] = shape(cond)
+        for key, value in (kw.get("added_cond_kwargs") or {}).items():  # SDXL: the pooled text_embeds, time_ids
+            inputs[key] = shape(value)
         if kw.get("class_labels") is not None:
             inputs["class_labels"] = kw["class_labels"].tolist()
         rec.step = {"stage": "denoise", "step": sum(s["stage"] == "denoise" for s in rec.stages),
@@ -144,9 +146,18 @@ def trace_sd(pipe, args, rec, generator, steps_kept):
 
             def post(module, a, kw, output, name=name):
                 calls[name] = calls.get(name, 0) + 1  # encode_prompt encodes the prompt, then the negative one
-                rec.add(name, (rec.clock() - rec.text_start) * 1e3, input_ids=rec.text_in,
-                        last_hidden_state=shape(output[0]), text="prompt" if calls[name] == 1 else "negative prompt")
+                last = output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0]
+                states = {"last_hidden_state": shape(last)}
+                if getattr(output, "hidden_states", None) is not None:  # SDXL takes the penultimate layer's
+                    states["hidden_states[-2]"] = shape(output.hidden_states[-2])
+                if getattr(output, "text_embeds", None) is not None:  # the pooled, projected embedding (SDXL's 2nd)
+                    states["text_embeds"] = shape(output.text_embeds)
+                rec.add(name, (rec.clock() - rec.text_start) * 1e3, input_ids=rec.text_in, **states,
+                        text="prompt" if calls[name] == 1 else "negative prompt")
             rec.hook(component, pre, post)
+    if hasattr(pipe, "_get_add_time_ids"):  # SDXL: original size, crop top-left, target size; once per call
+        rec.wrap(pipe, "_get_add_time_ids", lambda a, kw, out, ms, start: rec.add(
+            "_get_add_time_ids", ms, time_ids=shape(out), values=[scalar(v) for v in out[0]]))
     rec.wrap(pipe, "prepare_latents", lambda a, kw, out, ms, start: rec.add(
         "prepare_latents", ms, latents=shape(out), init_noise_sigma=float(pipe.scheduler.init_noise_sigma)))
     watch_denoiser(rec, pipe.unet, pipe.scheduler, steps_kept)
@@ -162,7 +173,8 @@ def trace_sd(pipe, args, rec, generator, steps_kept):
         return {}
 
     height, width = image_size(pipe, args)
-    inputs = [k for k in ("latents", "prompt_embeds") if k in getattr(pipe, "_callback_tensor_inputs", [])]
+    inputs = [k for k in ("latents", "prompt_embeds", "add_text_embeds", "add_time_ids")
+              if k in getattr(pipe, "_callback_tensor_inputs", [])]
     try:
         images = pipe(args.prompt, num_inference_steps=args.num_inference_steps, height=height, width=width,
                       guidance_scale=7.5 if args.guidance_scale is None else args.guidance_scale,
@@ -170,9 +182,13 @@ def trace_sd(pipe, args, rec, generator, steps_kept):
                       callback_on_step_end_tensor_inputs=inputs).images
     except ValueError as err:
         raise UserError(f"{type(pipe).__name__} refused the call: {first_line(err)}") from None
-    return (f"{type(pipe).__name__}.__call__, recorded by forward hooks on the text encoder(s) and unet, wrappers "
-            "around prepare_latents, scheduler.set_timesteps/step, vae.decode and image_processor.postprocess, and "
-            "callback_on_step_end"), images
+    time_ids = "_get_add_time_ids, " if hasattr(pipe, "_get_add_time_ids") else ""
+    how = (f"{type(pipe).__name__}.__call__, recorded by forward hooks on the text encoder(s) and unet, wrappers "
+           f"around {time_ids}prepare_latents, scheduler.set_timesteps/step, vae.decode and "
+           "image_processor.postprocess, and callback_on_step_end")
+    if getattr(pipe.config, "force_zeros_for_empty_prompt", False) and any("guidance" in s for s in rec.stages):
+        how += "; no negative prompt: the unconditional embeddings are zeros (force_zeros_for_empty_prompt)"
+    return how, images
 
 
 def trace_ddpm(pipe, args, rec, generator, steps_kept, labels):

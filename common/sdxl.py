@@ -12,12 +12,14 @@ import re
 from .cli import UserError
 
 PIPELINE_CLASSES = {"StableDiffusionPipeline": "sd", "StableDiffusionXLPipeline": "sdxl"}
+KIND_NAMES = {"sd": "Stable Diffusion 1.x/2.x", "sdxl": "Stable Diffusion XL"}
 TEXT_ENCODERS = {"sd": ("text_encoder",), "sdxl": ("text_encoder", "text_encoder_2")}
 
 
-def pipeline_kind(path, flag, revision=None, cache_dir=None):
+def pipeline_kind(path, flag, revision=None, cache_dir=None, uses="train_lora.py trains"):
     """-> "sd" (StableDiffusionPipeline: SD 1.x/2.x) or "sdxl" (StableDiffusionXLPipeline), from the base's
-    model_index.json (a local folder's without diffusers; a hub base's fetched alone); any other class is one line."""
+    model_index.json (a local folder's without diffusers; a hub base's fetched alone); any other class is one line
+    (`uses`: who refuses it, "sample.py draws from")."""
     index_file = os.path.join(path, "model_index.json")
     try:
         if os.path.isfile(index_file):
@@ -33,9 +35,57 @@ def pipeline_kind(path, flag, revision=None, cache_dir=None):
         raise load_error(flag, path, err) from None
     name = index.get("_class_name") if isinstance(index, dict) else None
     if name not in PIPELINE_CLASSES:
-        raise UserError(f"{flag} '{path}': its model_index.json names the pipeline class {name!r}; train_lora.py "
-                        f"trains {' and '.join(PIPELINE_CLASSES)} bases (SD 1.x/2.x and SDXL)")
+        raise UserError(f"{flag} '{path}': its model_index.json names the pipeline class {name!r}; {uses} "
+                        f"{' and '.join(PIPELINE_CLASSES)} bases (SD 1.x/2.x and SDXL)")
     return PIPELINE_CLASSES[name]
+
+
+# Keys only an SDXL LoRA has: the second text encoder (diffusers' name; kohya's lora_te1_/lora_te2_), the sgm UNet's
+# blocks (kohya's SDXL names; its SD 1.x/2.x files use diffusers' down_blocks/up_blocks) and the UNet's added
+# embedding of the pooled text and the time ids (add_embedding; label_emb in sgm). Only SD 1.x/2.x's kohya files
+# name their one text encoder lora_te_.
+SDXL_KEYS = ("text_encoder_2.", "lora_te1_", "lora_te2_", "lora_unet_input_blocks_", "lora_unet_middle_block_",
+             "lora_unet_output_blocks_", "lora_unet_label_emb_", "unet.add_embedding.", "add_embedding.")
+
+
+def lora_kind(metadata, keys):
+    """-> (kind, why): the base a LoRA file was made for, "sd" (SD 1.x/2.x) or "sdxl", and how that shows; (None,
+    None) when the file does not tell. From its metadata (kohya's ss_base_model_version, ModelSpec's
+    modelspec.architecture) when present, else from its tensor names."""
+    version = metadata.get("ss_base_model_version", "")
+    architecture = metadata.get("modelspec.architecture", "")
+    for key, value, sdxl, sd in (("ss_base_model_version", version, ("sdxl",), ("sd_v1", "sd_v2")),
+                                 ("modelspec.architecture", architecture, ("stable-diffusion-xl",),
+                                  ("stable-diffusion-v1", "stable-diffusion-v2"))):
+        if value.startswith(sdxl) or value.startswith(sd):
+            return ("sdxl" if value.startswith(sdxl) else "sd"), f"its metadata says {key} {value}"
+    sdxl_key = next((key for key in keys if key.startswith(SDXL_KEYS)), None)
+    if sdxl_key:
+        return "sdxl", f"its key {sdxl_key} is SDXL's"
+    sd_key = next((key for key in keys if key.startswith("lora_te_")), None)
+    if sd_key:
+        return "sd", f"its key {sd_key} names SD 1.x/2.x's one text encoder"
+    return None, None
+
+
+def folder_kind(path):
+    """"sd" or "sdxl" for a local pipeline folder whose model_index.json names StableDiffusionPipeline or
+    StableDiffusionXLPipeline; None for anything else (another pipeline, a hub id), without an error."""
+    try:
+        with open(os.path.join(path, "model_index.json")) as f:
+            index = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return PIPELINE_CLASSES.get(index.get("_class_name")) if isinstance(index, dict) else None
+
+
+def check_lora_base(flag, path, metadata, keys, base, base_kind):
+    """A LoRA file that says it was made for the other kind of base than `base_kind` ("sd"/"sdxl"; None: unknown)
+    is one line, before anything loads."""
+    kind, why = lora_kind(metadata, keys)
+    if kind and base_kind in KIND_NAMES and kind != base_kind:
+        raise UserError(f"{flag} '{path}' is a {KIND_NAMES[kind]} LoRA ({why}), but the base model '{base}' is "
+                        f"{KIND_NAMES[base_kind]}; give a LoRA made for this base, or a {KIND_NAMES[kind]} base")
 
 
 def embed_prompts(text_encoders, input_ids):

@@ -90,13 +90,6 @@ def test_model_kind_refuses_what_is_no_model(tmp_path):
             model_kind(str(path))
 
 
-def test_sample_py_names_an_sdxl_pipeline(folders):
-    import sample
-
-    with pytest.raises(UserError, match="is a Stable Diffusion XL pipeline"):
-        sample.main(sample.parse_args(["--model", str(folders["sdxl"]), "--prompt", "a digit"]))
-
-
 def test_class_labels_by_name_id_or_all(folders):
     names = read_labels(str(folders["checkpoint"]))
     assert names == ["cat", "dog"] and read_labels(str(folders["sd"])) is None
