@@ -329,7 +329,8 @@ def describe_lora(metadata):
     if rank:
         targets = get("target_modules")
         lines.append(f"rank {rank}, alpha {alpha or rank}" + (f", on {targets.replace(',', ', ')}" if targets else "")
-                     + (" and the text encoder" if get("text_encoder_target_modules") else ""))
+                     + ((" and both text encoders" if (version or "").startswith("sdxl") else " and the text encoder")
+                        if get("text_encoder_target_modules") else ""))
     steps, total = get("ss_steps"), get("ss_max_train_steps")
     if steps or total:
         dataset = get("dataset") or ", ".join(json_keys(get("ss_dataset_dirs")))

@@ -72,6 +72,9 @@ def test_an_sdxl_lora_trains_both_text_encoders_and_says_what_it_is(trained, tin
         metadata, keys = f.metadata(), list(f.keys())
     assert metadata["ss_base_model_version"] == "sdxl_base_v1-0"
     assert metadata["modelspec.architecture"] == "stable-diffusion-xl-v1-base/lora"
+    from common.stable_diffusion import describe_lora  # what sample.py prints of it
+
+    assert "and both text encoders" in describe_lora(metadata)[1]
     assert any(k.startswith("text_encoder_2.") for k in keys) and any(k.startswith("text_encoder.") for k in keys)
     # no LoRA on the first text encoder's last layer: SDXL reads its penultimate hidden states
     assert not any(k.startswith("text_encoder.text_model.encoder.layers.1.") for k in keys)
