@@ -10,7 +10,7 @@ A train_lora.py output or checkpoint (its base model is read from its metadata),
     python sample.py --model outputs/lora --prompt "a handwritten digit seven"
     python sample.py --model stable-diffusion-v1-5/stable-diffusion-v1-5 --lora outputs/lora:0.8 --prompt "..."
 
-Copy with: common/__init__.py, common/args.py, common/checkpoints.py, common/cli.py, common/diffusion.py, common/pipelines.py, common/reporting.py, common/stable_diffusion.py
+Copy with: common/__init__.py, common/args.py, common/checkpoints.py, common/cli.py, common/diffusion.py, common/fsdp.py, common/pipelines.py, common/reporting.py, common/stable_diffusion.py
 """  # noqa: E501 (the copy list stays one line, for grep)
 import json
 import os

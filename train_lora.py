@@ -27,7 +27,7 @@ Several GPUs (or `make train-lora CONFIG=accelerate_configs/multi_gpu.yaml ARGS=
     accelerate launch --config_file accelerate_configs/multi_gpu.yaml train_lora.py <the same flags>
 Then:  python sample.py --model outputs/lora-naruto --prompt "a girl with pink hair"
 
-Copy with: common/__init__.py, common/args.py, common/buckets.py, common/caption_files.py, common/checkpoints.py, common/cli.py, common/diffusion.py, common/distributed.py, common/image_data.py, common/lora_metadata.py, common/optimizers.py, common/preemption.py, common/reporting.py, common/stable_diffusion.py, common/training.py, common/validation_loss.py
+Copy with: common/__init__.py, common/args.py, common/buckets.py, common/caption_files.py, common/checkpoints.py, common/cli.py, common/diffusion.py, common/distributed.py, common/fsdp.py, common/image_data.py, common/lora_metadata.py, common/optimizers.py, common/preemption.py, common/reporting.py, common/stable_diffusion.py, common/training.py, common/validation_loss.py
 """  # noqa: E501 (the copy list stays one line, for grep)
 import math
 import os
@@ -167,6 +167,7 @@ def main(args):
 
     from common.checkpoints import checkpoint_step, load_checkpoint, register_state_hooks, save_checkpoint
     from common.distributed import match_deepspeed_config, process_group_kwargs
+    from common.fsdp import check_fsdp_run, clip_grad_norm
     from common.optimizers import build_optimizer
     from common.preemption import PreemptionGuard
     from common.reporting import init_trackers, log_with, write_all_results, write_model_card
@@ -184,6 +185,7 @@ def main(args):
                          process_group_kwargs(args.ddp_timeout)],  # how long the others wait for the main process
     )
     match_deepspeed_config(accelerator, args.gradient_accumulation_steps, args.max_grad_norm)
+    check_fsdp_run(accelerator, args)  # FSDP where accelerate does not apply it, or flags it cannot run
     logger = get_logger(__name__, log_level="INFO")
     set_seed(args.seed)
     # SIGTERM/SIGINT from here on (start-up included) stop the run after a complete, saved optimizer step.
@@ -249,6 +251,8 @@ def main(args):
     from peft import LoraConfig
     from transformers import CLIPTextModel, CLIPTokenizer
 
+    from common.fsdp import uniform_dtype
+
     quiet_loading_bars()
     path, load = args.pretrained_model_name_or_path, {"revision": args.revision, "cache_dir": args.cache_dir}
     try:
@@ -281,6 +285,7 @@ def main(args):
                                             use_dora=args.use_dora))
         trained["text_encoder"] = text_encoder
     cast_training_params(list(trained.values()), dtype=lora_dtype)
+    uniform_dtype(accelerator, trained.values(), lora_dtype)  # (FSDP: the frozen weights too)
     trainable = {f"{name}.{n}": p for name, m in trained.items() for n, p in m.named_parameters() if p.requires_grad}
     assert all("lora_" in name for name in trainable), "only LoRA weights may train"
     num_trainable = sum(p.numel() for p in trainable.values())
@@ -357,9 +362,9 @@ def main(args):
         return lora_metadata(args, info, base_version, step, max_train_steps, len(train_data),
                              accelerator.mixed_precision, TEXT_ENCODER_TARGETS, OPTIMIZERS[args.optimizer][0])
 
-    def save_extra(folder):  # the checkpoint's pytorch_lora_weights: what would be exported at this step (EMA)
+    def save_extra(folder, models):  # the checkpoint's pytorch_lora_weights: what would be exported now (EMA)
         with ema_weights(ema, ema_params):
-            save_lora_weights(folder, unwrapped, info, metadata=file_metadata(global_step))
+            save_lora_weights(folder, models, info, metadata=file_metadata(global_step))
         if ema is not None:  # lora_ema.safetensors + lora_ema.json (unet/, text_encoder/: the raw adapters)
             save_lora_ema(ema, list(trainable), folder)
 
@@ -407,14 +412,17 @@ def main(args):
     skipped_steps = 0
     group_names = [group["name"] for group in optimizer.param_groups]
     # <domain: validation>
+    from common.fsdp import full_models
+
     def validate(step, images=True):  # the held-out loss and images of the current LoRA (its EMA with --use_ema)
+        full = full_models(accelerator, dict(zip(trained, models)))  # (under FSDP: gathered on every process)
         with ema_weights(ema, ema_params):
             if held_out_loss is not None:
-                held_out_loss.log(step, unwrapped["unet"], embed, noise_scheduler)
+                held_out_loss.log(step, full["unet"], embed, noise_scheduler)
             if not (images and args.validation_prompt):
                 return []
-            return validation_images(args, accelerator, vae, tokenizer, noise_scheduler, unwrapped["unet"],
-                                     accelerator.unwrap_model(text_encoder, keep_torch_compile=False), step,
+            return validation_images(args, accelerator, vae, tokenizer, noise_scheduler, full["unet"],
+                                     full.get("text_encoder", text_encoder), step,
                                      sizes=validation_sizes(sizes, args.resolution))
 
     validating = held_out_loss is not None or args.validation_prompt
@@ -452,7 +460,7 @@ def main(args):
                     if accelerator.sync_gradients:  # NaN/inf: stop before the update, or skip it (a flag)
                         update = finite_step(accelerator, loss_sum, global_step + 1, args.skip_nonfinite_steps)
                         if update:
-                            accelerator.clip_grad_norm_(trained_params, args.max_grad_norm)
+                            clip_grad_norm(accelerator, models, trained_params, args.max_grad_norm)
                             optimizer.step()  # (between syncs accelerate's step does nothing: no call needed)
                     lr_scheduler.step()
                     optimizer.zero_grad(set_to_none=True)
@@ -500,12 +508,13 @@ def main(args):
         accelerator.wait_for_everyone()
         # <domain: the final validation, the LoRA and its model card>
         images = validate(global_step) if validating else []
+        final = full_models(accelerator, dict(zip(trained, models)), main_only=True)
         if accelerator.is_main_process:
             if ema is not None:  # the trained weights themselves, beside the EMA: pipe.load_lora_weights(".../raw")
-                save_lora_weights(os.path.join(args.output_dir, "raw"), unwrapped, {**info, "ema_weights": False},
+                save_lora_weights(os.path.join(args.output_dir, "raw"), final, {**info, "ema_weights": False},
                                   kohya=args.export_kohya, metadata=file_metadata(global_step))
             with ema_weights(ema, ema_params):
-                save_lora_weights(args.output_dir, unwrapped, info, kohya=args.export_kohya,
+                save_lora_weights(args.output_dir, final, info, kohya=args.export_kohya,
                                   metadata=file_metadata(global_step))
             base = args.pretrained_model_name_or_path
             write_model_card(

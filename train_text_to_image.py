@@ -21,7 +21,7 @@ One GPU, Stable Diffusion 1.5 from the hub (full fine-tuning wants a large GPU; 
         --output_dir outputs/sd-naruto
 Then:  python sample.py --model outputs/sd-naruto --prompt "a girl with pink hair"
 
-Copy with: common/__init__.py, common/args.py, common/buckets.py, common/caption_files.py, common/checkpoints.py, common/cli.py, common/diffusion.py, common/distributed.py, common/image_data.py, common/optimizers.py, common/preemption.py, common/reporting.py, common/stable_diffusion.py, common/training.py, common/unet_config.py, common/validation_loss.py
+Copy with: common/__init__.py, common/args.py, common/buckets.py, common/caption_files.py, common/checkpoints.py, common/cli.py, common/diffusion.py, common/distributed.py, common/fsdp.py, common/image_data.py, common/optimizers.py, common/preemption.py, common/reporting.py, common/stable_diffusion.py, common/training.py, common/unet_config.py, common/validation_loss.py
 """  # noqa: E501 (the copy list stays one line, for grep)
 import json
 import math
@@ -124,6 +124,7 @@ def main(args):
 
     from common.checkpoints import checkpoint_step, load_checkpoint, register_state_hooks, save_checkpoint
     from common.distributed import match_deepspeed_config, process_group_kwargs
+    from common.fsdp import check_fsdp_run, clip_grad_norm
     from common.optimizers import build_optimizer
     from common.preemption import PreemptionGuard
     from common.reporting import init_trackers, log_with, write_all_results, write_model_card
@@ -141,6 +142,7 @@ def main(args):
                          process_group_kwargs(args.ddp_timeout)],  # how long the others wait for the main process
     )
     match_deepspeed_config(accelerator, args.gradient_accumulation_steps, args.max_grad_norm)
+    check_fsdp_run(accelerator, args)  # FSDP where accelerate does not apply it, or flags it cannot run
     logger = get_logger(__name__, log_level="INFO")
     set_seed(args.seed)
     # SIGTERM/SIGINT from here on (start-up included) stop the run after a complete, saved optimizer step.
@@ -286,7 +288,7 @@ def main(args):
     if ema is not None:
         ema.to(accelerator.device)
 
-    def save_extra(folder):
+    def save_extra(folder, models):
         if ema is not None:
             ema.save_pretrained(os.path.join(folder, "unet_ema"))
         noise_scheduler.save_pretrained(os.path.join(folder, "scheduler"))
@@ -336,13 +338,16 @@ def main(args):
     skipped_steps = 0
     group_names = [group["name"] for group in optimizer.param_groups]
     # <domain: validation>
+    from common.fsdp import full_models
+
     def validate(step, images=True):  # the held-out loss and images of the EMA weights (what gets exported)
-        with ema_weights(ema, unwrapped["unet"]):
+        full = full_models(accelerator, {"unet": unet})  # (under FSDP: gathered on every process, for the loss)
+        with ema_weights(ema, full["unet"]):
             if held_out_loss is not None:
-                held_out_loss.log(step, unwrapped["unet"], embed, noise_scheduler)
+                held_out_loss.log(step, full["unet"], embed, noise_scheduler)
             if not (images and args.validation_prompt):
                 return []
-            return validation_images(args, accelerator, vae, tokenizer, noise_scheduler, unwrapped["unet"],
+            return validation_images(args, accelerator, vae, tokenizer, noise_scheduler, full["unet"],
                                      text_encoder, step, sizes=validation_sizes(sizes, args.resolution))
 
     validating = held_out_loss is not None or args.validation_prompt
@@ -380,7 +385,7 @@ def main(args):
                     if accelerator.sync_gradients:  # NaN/inf: stop before the update, or skip it (a flag)
                         update = finite_step(accelerator, loss_sum, global_step + 1, args.skip_nonfinite_steps)
                         if update:
-                            accelerator.clip_grad_norm_(trained_params, args.max_grad_norm)
+                            clip_grad_norm(accelerator, models, trained_params, args.max_grad_norm)
                             optimizer.step()  # (between syncs accelerate's step does nothing: no call needed)
                     lr_scheduler.step()
                     optimizer.zero_grad(set_to_none=True)
@@ -424,10 +429,11 @@ def main(args):
         accelerator.wait_for_everyone()
         # <domain: the final validation, the pipeline and its model card>
         images = validate(global_step) if validating else []
+        final = full_models(accelerator, {"unet": unet}, main_only=True)
         if accelerator.is_main_process:
-            with ema_weights(ema, unwrapped["unet"]):
+            with ema_weights(ema, final["unet"]):
                 pipe = StableDiffusionPipeline(vae=vae, text_encoder=text_encoder.to(torch.float32),
-                                               tokenizer=tokenizer, unet=unwrapped["unet"], scheduler=noise_scheduler,
+                                               tokenizer=tokenizer, unet=final["unet"], scheduler=noise_scheduler,
                                                safety_checker=None, feature_extractor=None,
                                                requires_safety_checker=False)
                 pipe.save_pretrained(args.output_dir)
