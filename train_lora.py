@@ -39,6 +39,7 @@ from common.args import (
     add_caption_args,
     add_checkpoint_args,
     add_data_args,
+    add_latent_cache_args,
     add_logging_args,
     add_training_args,
     check_bucket_args,
@@ -65,6 +66,7 @@ from common.stable_diffusion import (
     load_lora_ema,
     load_lora_state,
     lora_dtypes,
+    offload_idle_models,
     save_lora_ema,
     save_lora_state,
     save_lora_weights,
@@ -86,8 +88,7 @@ def parse_args(argv=None):
     parser = make_parser(__doc__.splitlines()[0])
     g = add_data_args(parser, resolution=None)
     add_caption_args(g, caption_dropout_prob=0.0)
-    g.add_argument("--cache_latents", action="store_true",
-                   help="VAE-encode every image once (implies --center_crop; with --random_flip both orientations).")
+    add_latent_cache_args(g)
     add_bucket_args(g)
     g = parser.add_argument_group("model")
     g.add_argument("--pretrained_model_name_or_path", default=SHIPPED_BASE,
@@ -327,7 +328,8 @@ def main(args):
     loader_batches = batching(sizes, args.train_batch_size, args.seed, train_data)  # one bucket each with --buckets
     if args.cache_latents:
         logger.info(f"caching the latents of {len(train_data)} images{' and their mirror images' * args.random_flip}")
-        train_data = CachedLatents(train_data, encode, args.train_batch_size)
+        train_data = CachedLatents(train_data, encode, args.vae_encode_batch_size)
+    offload_idle_models(accelerator, logger, args, vae, text_encoder, text_cached=prompt_embeds is not None)
     train_dataloader = torch.utils.data.DataLoader(train_data, num_workers=args.dataloader_num_workers,
                                                    collate_fn=collate_batch, **loader_batches)
     # </domain>

@@ -416,3 +416,12 @@ def test_the_launcher_waits_for_other_machines_as_long_as_ddp_timeout():
     assert with_rdzv_timeout("read_timeout=5", ["--ddp_timeout=60"]) == "read_timeout=5,timeout=60"
     assert with_rdzv_timeout("timeout=10", ["--ddp_timeout", "60"]) == "timeout=10"  # the launcher's own flag wins
     assert with_rdzv_timeout("", ["--seed", "1"]) == ""  # torchrun's 900 s
+
+
+def test_idle_frozen_models_are_what_the_caches_leave_unused():
+    from common.stable_diffusion import idle_frozen_models
+
+    assert idle_frozen_models(cache_latents=True, text_cached=True, validation_prompts=[]) == ["vae", "text_encoder"]
+    assert idle_frozen_models(cache_latents=False, text_cached=True, validation_prompts=[]) == ["text_encoder"]
+    assert idle_frozen_models(cache_latents=True, text_cached=False, validation_prompts=[]) == ["vae"]  # trained TE
+    assert idle_frozen_models(cache_latents=True, text_cached=True, validation_prompts=["a cat"]) == []  # sampling
