@@ -20,7 +20,7 @@ Image + text (the modules image_model, text_model and head take their own learni
     ... --text_column text --text_model_name_or_path google-bert/bert-base-uncased \
         --lr_groups image_model=2e-5,text_model=4e-5
 
-Copy with: common/__init__.py, common/args.py, common/checkpoints.py, common/classifier_metrics.py, common/cli.py, common/distributed.py, common/image_data.py, common/image_text_model.py, common/optimizers.py, common/preemption.py, common/reporting.py, common/training.py
+Copy with: common/__init__.py, common/args.py, common/checkpoints.py, common/classifier_metrics.py, common/cli.py, common/distributed.py, common/fsdp.py, common/image_data.py, common/image_text_model.py, common/optimizers.py, common/preemption.py, common/reporting.py, common/training.py
 """  # noqa: E501 (the copy list stays one line, for grep)
 import argparse
 import math
@@ -92,6 +92,7 @@ def main(args):
 
     from common.checkpoints import checkpoint_step, load_checkpoint, register_state_hooks, save_checkpoint
     from common.distributed import match_deepspeed_config, process_group_kwargs
+    from common.fsdp import check_fsdp_run, clip_grad_norm
     from common.optimizers import build_optimizer
     from common.preemption import PreemptionGuard
     from common.reporting import init_trackers, log_with, write_all_results, write_model_card
@@ -109,6 +110,7 @@ def main(args):
                          process_group_kwargs(args.ddp_timeout)],  # how long the others wait for the main process
     )
     match_deepspeed_config(accelerator, args.gradient_accumulation_steps, args.max_grad_norm)
+    check_fsdp_run(accelerator, args)  # FSDP where accelerate does not apply it, or flags it cannot run
     logger = get_logger(__name__, log_level="INFO")
     set_seed(args.seed)
     # SIGTERM/SIGINT from here on (start-up included) stop the run after a complete, saved optimizer step.
@@ -157,6 +159,8 @@ def main(args):
     from transformers import AutoImageProcessor, AutoModelForImageClassification, ResNetConfig, ResNetModel
     from transformers.models.vit.image_processing_pil_vit import ViTImageProcessorPil
 
+    from common.fsdp import is_fsdp
+
     quiet_loading_bars(["transformers"])
 
     id2label = dict(enumerate(labels))
@@ -182,7 +186,9 @@ def main(args):
                             f"'{args.model_name_or_path}': {first_line(err)}") from None
     else:
         model = AutoModelForImageClassification.from_config(small_resnet_config(ResNetConfig, len(labels), id2label))
-    if args.channels_last:  # 4-D weights only: a ViT or a text model is left as it is
+    if args.channels_last and is_fsdp(accelerator):  # FSDP's sharded checkpoints take contiguous weights only
+        logger.info("FSDP: the weights stay in PyTorch's default layout (--channels_last left out)")
+    elif args.channels_last:  # 4-D weights only: a ViT or a text model is left as it is
         model.to(memory_format=torch.channels_last)
     processor = ViTImageProcessorPil(size={"height": args.resolution, "width": args.resolution},
                                      image_mean=list(mean), image_std=list(std))
@@ -310,7 +316,7 @@ def main(args):
                     if accelerator.sync_gradients:  # NaN/inf: stop before the update, or skip it (a flag)
                         update = finite_step(accelerator, loss_sum, global_step + 1, args.skip_nonfinite_steps)
                         if update:
-                            accelerator.clip_grad_norm_(trained_params, args.max_grad_norm)
+                            clip_grad_norm(accelerator, models, trained_params, args.max_grad_norm)
                             optimizer.step()  # (between syncs accelerate's step does nothing: no call needed)
                     lr_scheduler.step()
                     optimizer.zero_grad(set_to_none=True)
@@ -348,6 +354,8 @@ def main(args):
         # 9. Save: the final model in from_pretrained form, test-split metrics, a model card and the run summary.
         accelerator.wait_for_everyone()
         # <domain: the final model, its test-split metrics and its model card>
+        from common.fsdp import load_full_weights
+
         save_model(accelerator, model, processor, tokenizer, args.output_dir)
         best_dir = os.path.join(args.output_dir, "best_model")
         test_metrics = {}
@@ -355,7 +363,7 @@ def main(args):
             test_metrics = evaluate(model, test_dataloader, forward, accelerator, prefix="test")
             if os.path.isdir(best_dir):
                 best = type(unwrapped["model"]).from_pretrained(best_dir)
-                unwrapped["model"].load_state_dict(best.state_dict())
+                load_full_weights(accelerator, model, best.state_dict())
                 test_metrics.update(evaluate(model, test_dataloader, forward, accelerator, prefix="best_model_test"))
         if accelerator.is_main_process:
             write_model_card(
@@ -436,10 +444,14 @@ def usage_snippet(args):
 
 
 def save_model(accelerator, model, processor, tokenizer, path):
-    """save_pretrained (safetensors) + image processor (+ tokenizer), on the main process."""
+    """save_pretrained (safetensors) + image processor (+ tokenizer), by the main process (every process calls it:
+    under FSDP they gather the weights together)."""
+    from common.fsdp import full_models
+
     accelerator.wait_for_everyone()
+    full = full_models(accelerator, {"model": model}, main_only=True)["model"]
     if accelerator.is_main_process:
-        accelerator.unwrap_model(model, keep_torch_compile=False).save_pretrained(path)
+        full.save_pretrained(path)
         processor.save_pretrained(path)
         if tokenizer is not None:
             tokenizer.save_pretrained(os.path.join(path, "text_model"))

@@ -21,7 +21,7 @@ A hub dataset (CIFAR-10, class-conditional, 32 px, a bigger UNet):
         --block_out_channels 128,256,256,256 --layers_per_block 2 --train_batch_size 128 --num_train_epochs 300 \
         --learning_rate 2e-4 --lr_warmup_steps 1000 --use_ema --ema_max_decay 0.9999 --mixed_precision bf16
 
-Copy with: common/__init__.py, common/args.py, common/checkpoints.py, common/classifier_metrics.py, common/cli.py, common/diffusion.py, common/distributed.py, common/image_data.py, common/optimizers.py, common/preemption.py, common/reporting.py, common/training.py, common/unet_config.py
+Copy with: common/__init__.py, common/args.py, common/checkpoints.py, common/classifier_metrics.py, common/cli.py, common/diffusion.py, common/distributed.py, common/fsdp.py, common/image_data.py, common/optimizers.py, common/preemption.py, common/reporting.py, common/training.py, common/unet_config.py
 """  # noqa: E501 (the copy list stays one line, for grep)
 import json
 import math
@@ -128,6 +128,7 @@ def main(args):
 
     from common.checkpoints import checkpoint_step, load_checkpoint, register_state_hooks, save_checkpoint
     from common.distributed import match_deepspeed_config, process_group_kwargs
+    from common.fsdp import check_fsdp_run, clip_grad_norm
     from common.optimizers import build_optimizer
     from common.preemption import PreemptionGuard
     from common.reporting import init_trackers, log_with, write_all_results, write_model_card
@@ -145,6 +146,7 @@ def main(args):
                          process_group_kwargs(args.ddp_timeout)],  # how long the others wait for the main process
     )
     match_deepspeed_config(accelerator, args.gradient_accumulation_steps, args.max_grad_norm)
+    check_fsdp_run(accelerator, args)  # FSDP where accelerate does not apply it, or flags it cannot run
     logger = get_logger(__name__, log_level="INFO")
     set_seed(args.seed)
     # SIGTERM/SIGINT from here on (start-up included) stop the run after a complete, saved optimizer step.
@@ -229,7 +231,7 @@ def main(args):
     if ema is not None:
         ema.to(accelerator.device)
 
-    def save_extra(folder):
+    def save_extra(folder, models):
         if ema is not None:
             ema.save_pretrained(os.path.join(folder, "unet_ema"))
         noise_scheduler.save_pretrained(os.path.join(folder, "scheduler"))
@@ -279,8 +281,11 @@ def main(args):
     skipped_steps = 0
     group_names = [group["name"] for group in optimizer.param_groups]
     # <domain: validation>
+    from common.fsdp import full_models
+
     def validate(step):  # a grid from the EMA weights; its scores with --eval_classifier
-        return validation_grid(accelerator, unet, ema, noise_scheduler, args, labels, scorer, scorer_ids,
+        full = full_models(accelerator, {"unet": unet}, main_only=True)  # (under FSDP: gathered, on every process)
+        return validation_grid(accelerator, full["unet"], ema, noise_scheduler, args, labels, scorer, scorer_ids,
                                real_features, step)
     # </domain>
     try:
@@ -311,7 +316,7 @@ def main(args):
                     if accelerator.sync_gradients:  # NaN/inf: stop before the update, or skip it (a flag)
                         update = finite_step(accelerator, loss_sum, global_step + 1, args.skip_nonfinite_steps)
                         if update:
-                            accelerator.clip_grad_norm_(trained_params, args.max_grad_norm)
+                            clip_grad_norm(accelerator, models, trained_params, args.max_grad_norm)
                             optimizer.step()  # (between syncs accelerate's step does nothing: no call needed)
                     lr_scheduler.step()
                     optimizer.zero_grad(set_to_none=True)
@@ -355,9 +360,10 @@ def main(args):
         accelerator.wait_for_everyone()
         # <domain: the final validation (its metrics go into all_results.json), the pipeline and its model card>
         metrics = validate(global_step)
+        final = full_models(accelerator, {"unet": unet}, main_only=True)
         if accelerator.is_main_process:
-            with ema_weights(ema, unwrapped["unet"]):
-                DDPMPipeline(unet=unwrapped["unet"], scheduler=noise_scheduler).save_pretrained(args.output_dir)
+            with ema_weights(ema, final["unet"]):
+                DDPMPipeline(unet=final["unet"], scheduler=noise_scheduler).save_pretrained(args.output_dir)
             write_labels(args.output_dir, labels)
             write_model_card(
                 args.output_dir, "DDPM trained with train_ddpm.py",

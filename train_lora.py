@@ -34,7 +34,7 @@ SDXL (1024 px; the VAE always runs in fp32, so SDXL's fp16 VAE overflow cannot b
         --gradient_checkpointing --output_dir outputs/lora-sdxl
 Then:  python sample.py --model outputs/lora-naruto --prompt "a girl with pink hair"
 
-Copy with: common/__init__.py, common/args.py, common/buckets.py, common/caption_files.py, common/checkpoints.py, common/cli.py, common/diffusion.py, common/distributed.py, common/image_data.py, common/lora_metadata.py, common/optimizers.py, common/preemption.py, common/reporting.py, common/sdxl.py, common/stable_diffusion.py, common/training.py, common/validation_loss.py
+Copy with: common/__init__.py, common/args.py, common/buckets.py, common/caption_files.py, common/checkpoints.py, common/cli.py, common/diffusion.py, common/distributed.py, common/fsdp.py, common/image_data.py, common/lora_metadata.py, common/optimizers.py, common/preemption.py, common/reporting.py, common/sdxl.py, common/stable_diffusion.py, common/training.py, common/validation_loss.py
 """  # noqa: E501 (the copy list stays one line, for grep)
 import math
 import os
@@ -46,6 +46,7 @@ from common.args import (
     add_caption_args,
     add_checkpoint_args,
     add_data_args,
+    add_latent_cache_args,
     add_logging_args,
     add_training_args,
     check_bucket_args,
@@ -73,6 +74,7 @@ from common.stable_diffusion import (
     load_lora_ema,
     load_lora_state,
     lora_dtypes,
+    offload_idle_models,
     save_lora_ema,
     save_lora_state,
     save_lora_weights,
@@ -94,8 +96,7 @@ def parse_args(argv=None):
     parser = make_parser(__doc__.splitlines()[0])
     g = add_data_args(parser, resolution=None)
     add_caption_args(g, caption_dropout_prob=0.0)
-    g.add_argument("--cache_latents", action="store_true",
-                   help="VAE-encode every image once (implies --center_crop; with --random_flip both orientations).")
+    add_latent_cache_args(g)
     add_bucket_args(g)
     g = parser.add_argument_group("model")
     g.add_argument("--pretrained_model_name_or_path", default=SHIPPED_BASE,
@@ -178,6 +179,7 @@ def main(args):
 
     from common.checkpoints import checkpoint_step, load_checkpoint, register_state_hooks, save_checkpoint
     from common.distributed import match_deepspeed_config, process_group_kwargs
+    from common.fsdp import check_fsdp_run, clip_grad_norm
     from common.optimizers import build_optimizer
     from common.preemption import PreemptionGuard
     from common.reporting import init_trackers, log_with, write_all_results, write_model_card
@@ -195,6 +197,7 @@ def main(args):
                          process_group_kwargs(args.ddp_timeout)],  # how long the others wait for the main process
     )
     match_deepspeed_config(accelerator, args.gradient_accumulation_steps, args.max_grad_norm)
+    check_fsdp_run(accelerator, args)  # FSDP where accelerate does not apply it, or flags it cannot run
     logger = get_logger(__name__, log_level="INFO")
     set_seed(args.seed)
     # SIGTERM/SIGINT from here on (start-up included) stop the run after a complete, saved optimizer step.
@@ -274,6 +277,8 @@ def main(args):
     from peft import LoraConfig
     from transformers import CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
 
+    from common.fsdp import uniform_dtype
+
     quiet_loading_bars()
     path, load = args.pretrained_model_name_or_path, {"revision": args.revision, "cache_dir": args.cache_dir}
     try:  # SDXL: a second tokenizer and text encoder (with the projection whose output is the pooled embedding)
@@ -309,6 +314,7 @@ def main(args):
                                             use_dora=args.use_dora))
         trained[name] = text_encoder
     cast_training_params(list(trained.values()), dtype=lora_dtype)
+    uniform_dtype(accelerator, trained.values(), lora_dtype)  # (FSDP: the frozen weights too)
     trainable = {f"{name}.{n}": p for name, m in trained.items() for n, p in m.named_parameters() if p.requires_grad}
     assert all("lora_" in name for name in trainable), "only LoRA weights may train"
     num_trainable = sum(p.numel() for p in trainable.values())
@@ -361,7 +367,9 @@ def main(args):
     loader_batches = batching(sizes, args.train_batch_size, args.seed, train_data)  # one bucket each with --buckets
     if args.cache_latents:
         logger.info(f"caching the latents of {len(train_data)} images{' and their mirror images' * args.random_flip}")
-        train_data = CachedLatents(train_data, encode, args.train_batch_size)
+        train_data = CachedLatents(train_data, encode, args.vae_encode_batch_size)
+    offload_idle_models(accelerator, logger, args, vae, list(text_encoders.values()),
+                        text_cached=prompt_embeds is not None)
     train_dataloader = torch.utils.data.DataLoader(train_data, num_workers=args.dataloader_num_workers,
                                                    collate_fn=collate_batch, **loader_batches)
     # </domain>
@@ -395,9 +403,9 @@ def main(args):
         return lora_metadata(args, info, base_version, step, max_train_steps, len(train_data),
                              accelerator.mixed_precision, TEXT_ENCODER_TARGETS, OPTIMIZERS[args.optimizer][0])
 
-    def save_extra(folder):  # the checkpoint's pytorch_lora_weights: what would be exported at this step (EMA)
+    def save_extra(folder, models):  # the checkpoint's pytorch_lora_weights: what would be exported now (EMA)
         with ema_weights(ema, ema_params):
-            save_lora_weights(folder, unwrapped, info, metadata=file_metadata(global_step))
+            save_lora_weights(folder, models, info, metadata=file_metadata(global_step))
         if ema is not None:  # lora_ema.safetensors + lora_ema.json (unet/, text_encoder/: the raw adapters)
             save_lora_ema(ema, list(trainable), folder)
 
@@ -445,16 +453,18 @@ def main(args):
     skipped_steps = 0
     group_names = [group["name"] for group in optimizer.param_groups]
     # <domain: validation>
+    from common.fsdp import full_models
+
     def validate(step, images=True):  # the held-out loss and images of the current LoRA (its EMA with --use_ema)
+        full = full_models(accelerator, dict(zip(trained, models)))  # (under FSDP: gathered on every process)
         with ema_weights(ema, ema_params):
             if held_out_loss is not None:
-                held_out_loss.log(step, unwrapped["unet"],
+                held_out_loss.log(step, full["unet"],
                                   lambda ids: condition(held_out_prompts[ids], ids, held_out), noise_scheduler)
             if not (images and args.validation_prompt):
                 return []
-            parts = {"vae": vae, "unet": unwrapped["unet"], **tokenizers,
-                     **{name: accelerator.unwrap_model(model, keep_torch_compile=False)
-                        for name, model in text_encoders.items()}}
+            parts = {"vae": vae, "unet": full["unet"], **tokenizers,
+                     **{name: full.get(name, model) for name, model in text_encoders.items()}}
             return validation_images(args, accelerator, parts, noise_scheduler, step,
                                      sizes=validation_sizes(sizes, args.resolution))
 
@@ -494,7 +504,7 @@ def main(args):
                     if accelerator.sync_gradients:  # NaN/inf: stop before the update, or skip it (a flag)
                         update = finite_step(accelerator, loss_sum, global_step + 1, args.skip_nonfinite_steps)
                         if update:
-                            accelerator.clip_grad_norm_(trained_params, args.max_grad_norm)
+                            clip_grad_norm(accelerator, models, trained_params, args.max_grad_norm)
                             optimizer.step()  # (between syncs accelerate's step does nothing: no call needed)
                     lr_scheduler.step()
                     optimizer.zero_grad(set_to_none=True)
@@ -542,12 +552,13 @@ def main(args):
         accelerator.wait_for_everyone()
         # <domain: the final validation, the LoRA and its model card>
         images = validate(global_step) if validating else []
+        final = full_models(accelerator, dict(zip(trained, models)), main_only=True)
         if accelerator.is_main_process:
             if ema is not None:  # the trained weights themselves, beside the EMA: pipe.load_lora_weights(".../raw")
-                save_lora_weights(os.path.join(args.output_dir, "raw"), unwrapped, {**info, "ema_weights": False},
+                save_lora_weights(os.path.join(args.output_dir, "raw"), final, {**info, "ema_weights": False},
                                   kohya=args.export_kohya, metadata=file_metadata(global_step))
             with ema_weights(ema, ema_params):
-                save_lora_weights(args.output_dir, unwrapped, info, kohya=args.export_kohya,
+                save_lora_weights(args.output_dir, final, info, kohya=args.export_kohya,
                                   metadata=file_metadata(global_step))
             write_model_card(args.output_dir, *lora_card(args, info, kind, global_step, last_loss, ema is not None,
                                                          (args.validation_prompt or [prompts[-1]])[0]),

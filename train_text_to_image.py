@@ -21,7 +21,7 @@ One GPU, Stable Diffusion 1.5 from the hub (full fine-tuning wants a large GPU; 
         --output_dir outputs/sd-naruto
 Then:  python sample.py --model outputs/sd-naruto --prompt "a girl with pink hair"
 
-Copy with: common/__init__.py, common/args.py, common/buckets.py, common/caption_files.py, common/checkpoints.py, common/cli.py, common/diffusion.py, common/distributed.py, common/image_data.py, common/optimizers.py, common/preemption.py, common/reporting.py, common/sdxl.py, common/stable_diffusion.py, common/training.py, common/unet_config.py, common/validation_loss.py
+Copy with: common/__init__.py, common/args.py, common/buckets.py, common/caption_files.py, common/checkpoints.py, common/cli.py, common/diffusion.py, common/distributed.py, common/fsdp.py, common/image_data.py, common/optimizers.py, common/preemption.py, common/reporting.py, common/sdxl.py, common/stable_diffusion.py, common/training.py, common/unet_config.py, common/validation_loss.py
 """  # noqa: E501 (the copy list stays one line, for grep)
 import json
 import math
@@ -34,6 +34,7 @@ from common.args import (
     add_caption_args,
     add_checkpoint_args,
     add_data_args,
+    add_latent_cache_args,
     add_logging_args,
     add_training_args,
     check_bucket_args,
@@ -54,6 +55,7 @@ from common.stable_diffusion import (
     check_local_resolution,
     check_sd_pipeline,
     load_error,
+    offload_idle_models,
     size_factor,
     validation_images,
 )
@@ -65,8 +67,7 @@ def parse_args(argv=None):
     parser = make_parser(__doc__.splitlines()[0])
     g = add_data_args(parser, resolution=None)
     add_caption_args(g, caption_dropout_prob=0.1)
-    g.add_argument("--cache_latents", action="store_true",
-                   help="VAE-encode every image once (implies --center_crop; with --random_flip both orientations).")
+    add_latent_cache_args(g)
     add_bucket_args(g)
     g = parser.add_argument_group("model")
     g.add_argument("--pretrained_model_name_or_path", default=SHIPPED_BASE,
@@ -124,6 +125,7 @@ def main(args):
 
     from common.checkpoints import checkpoint_step, load_checkpoint, register_state_hooks, save_checkpoint
     from common.distributed import match_deepspeed_config, process_group_kwargs
+    from common.fsdp import check_fsdp_run, clip_grad_norm
     from common.optimizers import build_optimizer
     from common.preemption import PreemptionGuard
     from common.reporting import init_trackers, log_with, write_all_results, write_model_card
@@ -141,6 +143,7 @@ def main(args):
                          process_group_kwargs(args.ddp_timeout)],  # how long the others wait for the main process
     )
     match_deepspeed_config(accelerator, args.gradient_accumulation_steps, args.max_grad_norm)
+    check_fsdp_run(accelerator, args)  # FSDP where accelerate does not apply it, or flags it cannot run
     logger = get_logger(__name__, log_level="INFO")
     set_seed(args.seed)
     # SIGTERM/SIGINT from here on (start-up included) stop the run after a complete, saved optimizer step.
@@ -259,7 +262,8 @@ def main(args):
     loader_batches = batching(sizes, args.train_batch_size, args.seed, train_data)  # one bucket each with --buckets
     if args.cache_latents:
         logger.info(f"caching the latents of {len(train_data)} images{' and their mirror images' * args.random_flip}")
-        train_data = CachedLatents(train_data, encode, args.train_batch_size)
+        train_data = CachedLatents(train_data, encode, args.vae_encode_batch_size)
+    offload_idle_models(accelerator, logger, args, vae, text_encoder, text_cached=prompt_embeds is not None)
     train_dataloader = torch.utils.data.DataLoader(train_data, num_workers=args.dataloader_num_workers,
                                                    collate_fn=collate_batch, **loader_batches)
     # </domain>
@@ -286,7 +290,7 @@ def main(args):
     if ema is not None:
         ema.to(accelerator.device)
 
-    def save_extra(folder):
+    def save_extra(folder, models):
         if ema is not None:
             ema.save_pretrained(os.path.join(folder, "unet_ema"))
         noise_scheduler.save_pretrained(os.path.join(folder, "scheduler"))
@@ -336,13 +340,16 @@ def main(args):
     skipped_steps = 0
     group_names = [group["name"] for group in optimizer.param_groups]
     # <domain: validation>
+    from common.fsdp import full_models
+
     def validate(step, images=True):  # the held-out loss and images of the EMA weights (what gets exported)
-        with ema_weights(ema, unwrapped["unet"]):
+        full = full_models(accelerator, {"unet": unet})  # (under FSDP: gathered on every process, for the loss)
+        with ema_weights(ema, full["unet"]):
             if held_out_loss is not None:
-                held_out_loss.log(step, unwrapped["unet"], embed, noise_scheduler)
+                held_out_loss.log(step, full["unet"], embed, noise_scheduler)
             if not (images and args.validation_prompt):
                 return []
-            parts = {"vae": vae, "unet": unwrapped["unet"], "tokenizer": tokenizer, "text_encoder": text_encoder}
+            parts = {"vae": vae, "unet": full["unet"], "tokenizer": tokenizer, "text_encoder": text_encoder}
             return validation_images(args, accelerator, parts, noise_scheduler, step,
                                      sizes=validation_sizes(sizes, args.resolution))
 
@@ -381,7 +388,7 @@ def main(args):
                     if accelerator.sync_gradients:  # NaN/inf: stop before the update, or skip it (a flag)
                         update = finite_step(accelerator, loss_sum, global_step + 1, args.skip_nonfinite_steps)
                         if update:
-                            accelerator.clip_grad_norm_(trained_params, args.max_grad_norm)
+                            clip_grad_norm(accelerator, models, trained_params, args.max_grad_norm)
                             optimizer.step()  # (between syncs accelerate's step does nothing: no call needed)
                     lr_scheduler.step()
                     optimizer.zero_grad(set_to_none=True)
@@ -425,10 +432,11 @@ def main(args):
         accelerator.wait_for_everyone()
         # <domain: the final validation, the pipeline and its model card>
         images = validate(global_step) if validating else []
+        final = full_models(accelerator, {"unet": unet}, main_only=True)
         if accelerator.is_main_process:
-            with ema_weights(ema, unwrapped["unet"]):
+            with ema_weights(ema, final["unet"]):
                 pipe = StableDiffusionPipeline(vae=vae, text_encoder=text_encoder.to(torch.float32),
-                                               tokenizer=tokenizer, unet=unwrapped["unet"], scheduler=noise_scheduler,
+                                               tokenizer=tokenizer, unet=final["unet"], scheduler=noise_scheduler,
                                                safety_checker=None, feature_extractor=None,
                                                requires_safety_checker=False)
                 pipe.save_pretrained(args.output_dir)

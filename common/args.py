@@ -273,10 +273,25 @@ def add_bucket_args(group):
                             "--validation_steps.")
 
 
+def add_latent_cache_args(group):
+    """--cache_latents of the Stable Diffusion trainers, and the batch its VAE encoding runs at (diffusers' name)."""
+    group.add_argument("--cache_latents", action="store_true",
+                       help="VAE-encode every image once (implies --center_crop; with --random_flip both "
+                            "orientations).")
+    group.add_argument("--vae_encode_batch_size", type=positive_int, default=None,
+                       help="--cache_latents: images per VAE encode while the cache is made, before training "
+                            "(default: a quarter of --train_batch_size, at least 1: at full resolution an image's "
+                            "encode can take more memory than a training sample's step, e.g. with "
+                            "--gradient_checkpointing).")
+
+
 def check_bucket_args(args):
     """--buckets auto crops each image to its bucket's shape, centered: --center_crop has nothing to do there. Without
-    buckets --cache_latents implies --center_crop (one cached crop per image)."""
+    buckets --cache_latents implies --center_crop (one cached crop per image). Also --vae_encode_batch_size's
+    default."""
     if args.buckets == "auto" and args.center_crop:
         raise UserError("--center_crop: with --buckets auto images are not cropped square but to their bucket's "
                         "shape (centered); drop --center_crop")
     args.center_crop = args.center_crop or (args.cache_latents and args.buckets == "off")
+    if args.vae_encode_batch_size is None:
+        args.vae_encode_batch_size = max(1, args.train_batch_size // 4)  # (docs/performance.md: the latent cache)

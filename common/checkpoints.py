@@ -4,7 +4,9 @@ form (`load_state` reads it back).
 
 The hooks: the save hook writes every prepared model with `save_pretrained` into its own subfolder and pops its
 weights so accelerate does not write them a second time; the load hook pops the models and loads them back from
-those subfolders. Extra objects (an EMA model) ride along through `extra_save`/`extra_load`.
+those subfolders. Extra objects (an EMA model) ride along through `extra_save`/`extra_load`. Under FSDP accelerate
+writes and reads the sharded models and optimizer itself (pytorch_model_fsdp_N/, optimizer_N/); the save hook still
+writes the from_pretrained subfolders, from the full weights that every process gathers (common/fsdp.py).
 """
 import json
 import os
@@ -15,6 +17,7 @@ from .cli import UserError, first_line, one_line, write_error_reason
 
 _NAME = re.compile(r"^checkpoint-(\d+)$")
 INFO_FILE = "checkpoint_info.json"
+_FSDP_FILE = re.compile(r"^(pytorch_model_fsdp(_\d+)?(_rank\d+)?(\.bin)?|optimizer_\d+)$")  # accelerate's FSDP state
 
 
 def list_checkpoints(output_dir):
@@ -89,11 +92,27 @@ def load_checkpoint(accelerator, path):
     """
     import pickle
 
+    from .fsdp import init_optimizer_states
+
     try:
+        init_optimizer_states(accelerator)  # (under FSDP only)
         accelerator.load_state(path)
     except (pickle.UnpicklingError, RuntimeError, OSError, KeyError, ValueError) as err:
         raise UserError(f"--resume_from_checkpoint: cannot load '{path}' ({first_line(err, 200)}); "
                         "resume from another checkpoint-N or start without the flag") from None
+
+
+def check_fsdp_checkpoint(path, fsdp):
+    """A checkpoint resumes only under the kind of run that wrote it, FSDP or not: accelerate writes an FSDP run's
+    model and optimizer state sharded (pytorch_model_fsdp_N/, optimizer_N/), which a run without FSDP cannot read,
+    and the other way round. One line saying which (common/fsdp.py's check_fsdp_run calls it before anything loads)."""
+    sharded = any(_FSDP_FILE.match(name) for name in os.listdir(path))
+    if sharded == fsdp:
+        return
+    written, now = ("an FSDP run", "without FSDP") if sharded else ("a run without FSDP", "under FSDP")
+    raise UserError(f"--resume_from_checkpoint: '{path}' was written by {written} and cannot resume {now} (accelerate "
+                    "keeps an FSDP run's optimizer state sharded): resume with the accelerate config that wrote it, "
+                    "or start a new run from its weights (the from_pretrained folders in it)")
 
 
 def resolve_resume(resume_from_checkpoint, output_dir):
@@ -150,7 +169,8 @@ def register_state_hooks(accelerator, named_models, save_fn=_save, load_fn=_load
     keep_torch_compile=False).
 
     save_fn(model, path) / load_fn(model, path) override how a model is written and read (e.g. LoRA weights only).
-    extra_save(output_dir) / extra_load(input_dir) handle state that is not a prepared model, such as EMA.
+    extra_save(output_dir, models) / extra_load(input_dir) handle state that is not a prepared model, such as EMA;
+    `models`: {subfolder: the model with all its weights} (under FSDP a full copy, common/fsdp.py's full_models).
     """
 
     def unwrap(model):  # without DDP and torch.compile wrappers: the weights' own names, for from_pretrained
@@ -166,17 +186,20 @@ def register_state_hooks(accelerator, named_models, save_fn=_save, load_fn=_load
     def save_hook(models, weights, output_dir):
         import torch
 
+        from .fsdp import full_models
+
         # RNG-neutral: some savers build a model to write (diffusers' EMAModel.save_pretrained inits a UNet from its
         # config), which draws from the global generator; a run that saves at step N must draw the same numbers
         # afterwards as one that does not, or a stop-and-resume at N would not match the uninterrupted run.
         with torch.random.fork_rng(devices=[]):
-            for model in models:
+            full = full_models(accelerator, {folder_of(m): m for m in models}, main_only=True)
+            for name, model in full.items():
                 if accelerator.is_main_process:
-                    save_fn(unwrap(model), os.path.join(output_dir, folder_of(model)))
+                    save_fn(model, os.path.join(output_dir, name))
                 if weights:
                     weights.pop()  # written above; accelerate must not write it again
             if extra_save is not None and accelerator.is_main_process:
-                extra_save(output_dir)
+                extra_save(output_dir, full)
 
     def load_hook(models, input_dir):
         while models:

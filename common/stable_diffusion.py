@@ -382,6 +382,32 @@ def peft_to_kohya(state_dict, alpha, prefix, module_prefix="", rename=None):
     return kohya
 
 
+def idle_frozen_models(cache_latents, text_cached, validation_prompts):
+    """Which frozen models the rest of the run does not use, once the caches are made: the VAE when the latents are
+    cached, the text encoder when the prompt embeddings are; neither when validation images are drawn (the pipeline
+    encodes the prompts and decodes the latents). The held-out loss encodes its images and prompts when it is built,
+    before this."""
+    if validation_prompts:
+        return []
+    return [name for name, idle in (("vae", cache_latents), ("text_encoder", text_cached)) if idle]
+
+
+def offload_idle_models(accelerator, logger, args, vae, text_encoder, text_cached):
+    """Move the frozen models that `idle_frozen_models` finds idle to the CPU (the device memory they held goes to
+    training), with a log line; call it after the caches and the held-out loss are made. Saving the pipeline
+    afterwards reads them from the CPU. text_encoder: one, or a list (SDXL's two). Returns the names moved."""
+    models = {"vae": [vae], "text_encoder": text_encoder if isinstance(text_encoder, list) else [text_encoder]}
+    idle = idle_frozen_models(args.cache_latents, text_cached, args.validation_prompt)
+    for name in idle:
+        for model in models[name]:
+            model.to("cpu")
+    if idle:
+        shown = {"vae": "the VAE", "text_encoder": "the text encoder"}
+        logger.info(f"{' and '.join(shown[n] for n in idle)} moved to the CPU: the cached latents and prompt "
+                    "embeddings leave nothing for them to do (no --validation_prompt)")
+    return idle
+
+
 def validation_images(args, accelerator, parts, scheduler, step, sizes=None):
     """Images of the validation prompts from the current weights (main process; the others wait), saved under
     samples/step-N/ and logged to the trackers (a row per prompt, and per size: `sizes` [(height, width)], default

@@ -337,7 +337,7 @@ def test_state_hooks_write_from_pretrained_folders_and_restore(tmp_path):
     extra = {}
     pretrained, plain = accelerator.prepare(pretrained, plain)
     register_state_hooks(accelerator, {"classifier": pretrained, "head": plain},
-                         extra_save=lambda d: extra.setdefault("saved", d),
+                         extra_save=lambda d, models: extra.setdefault("saved", (d, models)),
                          extra_load=lambda d: extra.setdefault("loaded", d))
     saved = {k: v.clone() for k, v in {**pretrained.state_dict(), **plain.state_dict()}.items()}
     accelerator.save_state(str(tmp_path / "ckpt"))
@@ -351,7 +351,8 @@ def test_state_hooks_write_from_pretrained_folders_and_restore(tmp_path):
     accelerator.load_state(str(tmp_path / "ckpt"))
     restored = {**pretrained.state_dict(), **plain.state_dict()}
     assert all(torch.equal(saved[k], restored[k]) for k in saved)
-    assert extra == {"saved": str(tmp_path / "ckpt"), "loaded": str(tmp_path / "ckpt")}
+    assert extra == {"saved": (str(tmp_path / "ckpt"), {"classifier": pretrained, "head": plain}),
+                     "loaded": str(tmp_path / "ckpt")}
 
 
 def test_preemption_guard_ignores_a_copy_of_the_signal_and_stops_at_a_real_second_one():
@@ -415,3 +416,12 @@ def test_the_launcher_waits_for_other_machines_as_long_as_ddp_timeout():
     assert with_rdzv_timeout("read_timeout=5", ["--ddp_timeout=60"]) == "read_timeout=5,timeout=60"
     assert with_rdzv_timeout("timeout=10", ["--ddp_timeout", "60"]) == "timeout=10"  # the launcher's own flag wins
     assert with_rdzv_timeout("", ["--seed", "1"]) == ""  # torchrun's 900 s
+
+
+def test_idle_frozen_models_are_what_the_caches_leave_unused():
+    from common.stable_diffusion import idle_frozen_models
+
+    assert idle_frozen_models(cache_latents=True, text_cached=True, validation_prompts=[]) == ["vae", "text_encoder"]
+    assert idle_frozen_models(cache_latents=False, text_cached=True, validation_prompts=[]) == ["text_encoder"]
+    assert idle_frozen_models(cache_latents=True, text_cached=False, validation_prompts=[]) == ["vae"]  # trained TE
+    assert idle_frozen_models(cache_latents=True, text_cached=True, validation_prompts=["a cat"]) == []  # sampling

@@ -397,6 +397,10 @@ def test_defaults_suit_a_real_base(digits, tiny_sd, base_128px, tmp_path):
     assert parse_args([*flags, "--pretrained_model_name_or_path", str(base_128px)]).resolution == 128
     args = parse_args([*flags, "--pretrained_model_name_or_path", str(base_128px), "--resolution", "48"])
     assert (args.resolution, args.learning_rate, args.train_batch_size) == (48, 1e-4, 16)
+    # --cache_latents encodes a quarter of a training batch at once by default
+    assert args.vae_encode_batch_size == 4
+    assert parse_args([*flags, "--train_batch_size", "2"]).vae_encode_batch_size == 1
+    assert parse_args([*flags, "--vae_encode_batch_size", "32"]).vae_encode_batch_size == 32
 
 
 def test_a_resolution_far_below_the_bases_warns_and_trains(digits, base_128px, tmp_path):
@@ -409,6 +413,8 @@ def test_a_resolution_far_below_the_bases_warns_and_trains(digits, base_128px, t
     assert len(warnings) == 1 and "--resolution 32 is less than half the base's native 128 px" in warnings[0]
     assert "leave --resolution out to train at 128" in warnings[0]
     assert read_results(out)["resolution"] == 32  # a warning, not an error
+    # cached latents and prompt embeddings, no validation images: the VAE and the text encoder leave the device
+    assert "the VAE and the text encoder moved to the CPU" in proc.stderr
 
 
 def test_help_is_fast():

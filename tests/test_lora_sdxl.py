@@ -122,8 +122,8 @@ def test_two_processes_with_buckets(tiny_sdxl, tmp_path):
     data = write_mixed_folder(tmp_path / "mixed")
     args = ["--train_data_dir", data, "--pretrained_model_name_or_path", tiny_sdxl, "--resolution", "32",
             "--buckets", "auto", "--train_batch_size", "2", "--max_train_steps", "2", "--rank", "2",
-            "--train_text_encoder", "--cache_latents", "--random_flip", "--validation_split", "0.15", "--validation_steps", "2", "--checkpointing_steps",
-            "100", "--report_to", "tensorboard"]
+            "--train_text_encoder", "--cache_latents", "--random_flip", "--validation_split", "0.15",
+            "--validation_steps", "2", "--checkpointing_steps", "100", "--report_to", "tensorboard"]
     two = launch("train_lora.py", *args, "--output_dir", tmp_path / "two", config="cpu_2proc.yaml")
     assert "aspect-ratio buckets at 32 px" in two.stderr
     results = read_results(tmp_path / "two")
