@@ -92,6 +92,7 @@ def test_sdxl_samples_are_what_diffusers_draws_and_the_lora_shows(drawn, loras, 
     that sampler written out by hand, the base alone (LoRA scale 0) and with the LoRA."""
     from diffusers import DPMSolverMultistepScheduler, StableDiffusionXLPipeline
 
+    torch.set_num_threads(1)  # as sample.py ran: with the strong random LoRA, 2 threads' sums move pixels by ~4 levels
     pipe = StableDiffusionXLPipeline.from_pretrained(tiny_sdxl)
     pipe.scheduler = DPMSolverMultistepScheduler(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear",
                                                  timestep_spacing="leading", steps_offset=1)
@@ -104,8 +105,7 @@ def test_sdxl_samples_are_what_diffusers_draws_and_the_lora_shows(drawn, loras, 
                                          generator=torch.Generator().manual_seed(SEED)).images[0]).astype(int))
     sampled = [pixels(drawn[0] / f"000{i}.png") for i in (0, 1)]
     for ours, theirs in zip(sampled, reference):
-        diff = np.abs(ours - theirs)  # float order differs (threads, load): rare pixels of a random model move more
-        assert diff.mean() < 0.5 and (diff > 1).mean() < 0.01 and diff.max() <= 32
+        assert np.abs(ours - theirs).max() <= 1
     assert np.abs(sampled[1] - sampled[0]).mean() > 5  # the LoRA changes the picture
 
 
