@@ -115,14 +115,15 @@ def test_two_processes_stop_together_on_a_nonfinite_loss(digits, tmp_path):
 
 
 def test_a_validation_longer_than_ddp_timeout_is_one_line_naming_the_flag(digits, tmp_path):
-    # The main process samples the validation images (about 10 s here: 1000 DDPM steps) while the other waits in
+    # The main process samples the validation images (1000 DDPM steps: 7 s on a fast 2-core machine, over twice the
+    # timeout; the test failed on such a machine with 1 image at 8 px, 2 s) while the other waits in
     # wait_for_everyone(); past --ddp_timeout that wait fails. Through common/launch.py (as make runs it): one line
     # from the process that waited, the main one stops quietly, exit code 2.
     out = tmp_path / "slow"
-    cmd = launch_command("train_ddpm.py", "--train_data_dir", digits, "--output_dir", out, "--resolution", "8",
-                         "--block_out_channels", "16,32", "--max_train_samples", "32", "--train_batch_size", "8",
+    cmd = launch_command("train_ddpm.py", "--train_data_dir", digits, "--output_dir", out, "--resolution", "16",
+                         "--block_out_channels", "32,64", "--max_train_samples", "32", "--train_batch_size", "8",
                          "--max_train_steps", "2", "--ddpm_num_steps", "1000", "--validation_steps", "1",
-                         "--num_validation_images", "1", "--validation_inference_steps", "1000", "--report_to", "none",
+                         "--num_validation_images", "4", "--validation_inference_steps", "1000", "--report_to", "none",
                          "--ddp_timeout", "3", config="cpu_2proc.yaml")
     cmd[1:3] = ["-m", "common.launch"]
     proc = subprocess.run(cmd, cwd=ROOT, env=offline_env(), capture_output=True, text=True, timeout=300)
