@@ -65,7 +65,7 @@ def assert_two_machines_ran(nodes, out, weights):
 EXTRA = {
     "train_ddpm.py": ["--prediction_type", "v_prediction"],  # unconditional: no --class_column
     "train_lora.py": ["--snr_gamma", "5", "--noise_offset", "0.05", "--prediction_type", "v_prediction", "--use_dora",
-                      "--gradient_checkpointing"],
+                      "--gradient_checkpointing", "--use_ema", "--offload_ema"],
     "train_text_to_image.py": ["--use_ema"],  # and a UNet from --unet_config, below
 }
 
@@ -92,6 +92,13 @@ def test_two_machines_on_loopback(script, digits, tiny_sd, tmp_path):
         info = json.loads((out / "lora_info.json").read_text())
         assert info["use_dora"] and info["prediction_type"] == "v_prediction"
         assert (out / "checkpoint-2" / "unet" / "adapter_model.safetensors").is_file()
+        # the EMA of the LoRA weights (kept on the CPU) is what is exported, the trained weights in raw/
+        ema, exported = load_file(out / "checkpoint-4" / "lora_ema.safetensors"), load_file(out / RUNS[script][1])
+        raw = load_file(out / "raw" / RUNS[script][1])
+        ema = {k.replace(".default.weight", "").replace(".default", ""): v for k, v in ema.items()}  # peft's names
+        assert ema.keys() == {k.removesuffix(".weight") for k in exported} and info["ema_weights"]
+        assert all(torch.equal(v, ema[k.removesuffix(".weight")]) for k, v in exported.items())
+        assert any(not torch.equal(exported[k], raw[k]) for k in raw)
     else:
         assert json.loads((out / "unet" / "config.json").read_text())["block_out_channels"] == [16, 32]
         assert (out / "checkpoint-2" / "unet_ema" / "config.json").is_file()
