@@ -142,7 +142,7 @@ sample-lora: | install
 
 # What a pipeline holds and what one call does, stage by stage with shapes and times, plus the x0 trajectory.
 # MODEL= another pipeline (a train_ddpm.py / train_lora.py output, a hub id); ARGS= e.g. --lora PATH, --json.
-inspect: $(TINY_SD)
+inspect: $(if $(MODEL),install,$(TINY_SD))
 	OMP_NUM_THREADS=1 $(PY) inspect_pipeline.py $(or $(MODEL),models/tiny-sd) --trace --num_inference_steps 4 \
 	  --save_trajectory $(or $(OUTPUT),outputs/inspect)/trajectory.png --trajectory_steps 4 $(ARGS)
 
