@@ -109,6 +109,8 @@ def add_caption_args(group, caption_dropout_prob):
     group.add_argument("--default_caption", default=None,
                        help="Caption of the images that have no .txt caption file, when --train_data_dir holds images "
                             "with same-name .txt captions (no metadata file); without it each image needs one.")
+    group.add_argument("--caption_extension", default=".txt",
+                       help="The caption files' extension in such a folder: .txt, or .caption (kohya's sd-scripts).")
     group.add_argument("--caption_prefix", default="",
                        help="Put before every caption, e.g. a trigger word: 'sks style, ' (not before the empty "
                             "prompt of caption dropout).")

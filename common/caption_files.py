@@ -1,10 +1,10 @@
 """Images with same-name .txt captions beside them (the kohya sd-scripts, ai-toolkit and SimpleTuner layout), read
 as a datasets.DatasetDict.
 
-`cat/01.png` is captioned by `cat/01.txt`: UTF-8 text, one caption per non-empty line (several lines: several
-captions, one picked per step). Subfolders are searched at any depth; names starting with "." are skipped, as
-datasets' imagefolder skips them. A tree with a datasets metadata file (metadata.jsonl, .csv or .parquet) anywhere
-in it is an imagefolder instead, and datasets reads it.
+`cat/01.png` is captioned by `cat/01.txt` (`cat/01.caption` with --caption_extension .caption): UTF-8 text, one
+caption per non-empty line (several lines: several captions, one picked per step). Subfolders are searched at any
+depth; names starting with "." are skipped, as datasets' imagefolder skips them. A tree with a datasets metadata file
+(metadata.jsonl, .csv or .parquet) anywhere in it is an imagefolder instead, and datasets reads it.
 """
 import os
 
@@ -13,6 +13,19 @@ from .cli import UserError
 
 METADATA_FILES = ("metadata.jsonl", "metadata.csv", "metadata.parquet")
 SHOWN = 3  # file names quoted in an error about several files
+CAPTION_EXTENSION = ".txt"  # kohya's sd-scripts default to .caption; most folders use .txt
+OTHER_EXTENSIONS = (".txt", ".caption")  # what an error suggests when the files use the other one
+
+
+def caption_extension(text):
+    """--caption_extension: ".txt", "txt" -> ".txt"; an image extension or an empty one is an error."""
+    extension = "." + text.strip().lstrip(".").lower() if text.strip().lstrip(".") else ""
+    if not extension or "/" in extension or os.sep in extension:
+        raise UserError(f"--caption_extension '{text}' is not a file extension; give one such as .txt or .caption")
+    if extension in IMAGE_EXTENSIONS:
+        raise UserError(f"--caption_extension '{text}' is an image extension; captions are text files (.txt, "
+                        ".caption)")
+    return extension
 
 
 def tree_files(root):
@@ -52,18 +65,19 @@ def listed(paths):
     return ", ".join(paths[:SHOWN]) + (f" and {len(paths) - SHOWN} more" if len(paths) > SHOWN else "")
 
 
-def read_caption_folder(root, default_caption=None):
+def read_caption_folder(root, default_caption=None, extension=CAPTION_EXTENSION):
     """-> (image paths, caption lists), in sorted path order (every process sees the same). An image without a caption
-    file takes [default_caption], or is an error naming the first few; so is a caption file without its image."""
+    file (<name><extension>) takes [default_caption], or is an error naming the first few; so is a caption file
+    without its image."""
     files = tree_files(root)
     images = [path for path in files if os.path.splitext(path)[1].lower() in IMAGE_EXTENSIONS]
     if not images:
         raise UserError(f"--train_data_dir '{root}' holds no image files; put images in it, each with its caption "
-                        "in a .txt file of the same name beside it (photo.png, photo.txt)")
+                        f"in a {extension} file of the same name beside it (photo.png, photo{extension})")
     texts = {}
     for path in files:
-        stem, extension = os.path.splitext(path)
-        if extension.lower() == ".txt":
+        stem, ext = os.path.splitext(path)
+        if ext.lower() == extension:
             if stem in texts:
                 raise UserError(f"two caption files for one image in '{root}': {texts[stem]} and {path}; keep one")
             texts[stem] = path
@@ -74,8 +88,14 @@ def read_caption_folder(root, default_caption=None):
                         "image or delete the caption file")
     missing = [path for path in images if os.path.splitext(path)[0] not in texts]
     if missing and default_caption is None:
+        stems = {os.path.splitext(path)[0] for path in missing}
+        other = next((ext for ext in OTHER_EXTENSIONS if ext != extension and any(
+            os.path.splitext(path)[0] in stems and os.path.splitext(path)[1].lower() == ext for path in files)), None)
+        if other:  # e.g. kohya's .caption files read as .txt
+            raise UserError(f"images without a {extension} caption file in '{root}' ({len(missing)} of {len(images)}):"
+                            f" {listed(missing)}; their captions are {other} files: give --caption_extension {other}")
         raise UserError(f"images without a caption file in '{root}' ({len(missing)} of {len(images)}): "
-                        f"{listed(missing)}; write a .txt caption of the same name beside each, or give "
+                        f"{listed(missing)}; write a {extension} caption of the same name beside each, or give "
                         "--default_caption for them")
     captions = []
     for path in images:
@@ -84,14 +104,14 @@ def read_caption_folder(root, default_caption=None):
     return [os.path.abspath(os.path.join(root, path)) for path in images], captions
 
 
-def load_caption_folder(path, image_column, caption_column, default_caption=None):
+def load_caption_folder(path, image_column, caption_column, default_caption=None, extension=CAPTION_EXTENSION):
     """-> datasets.DatasetDict with a "train" split: `image_column` a datasets.Image() of the files, `caption_column`
     each image's list of captions."""
     import datasets
 
     if image_column == caption_column:
         raise UserError(f"--image_column and --caption_column are both '{image_column}'; give two names")
-    images, captions = read_caption_folder(path, default_caption)
+    images, captions = read_caption_folder(path, default_caption, extension)
     features = datasets.Features({image_column: datasets.Image(),
                                   caption_column: datasets.Sequence(datasets.Value("string"))})
     train = datasets.Dataset.from_dict({image_column: images, caption_column: captions}, features=features)
@@ -103,13 +123,15 @@ def caption_folder_reader(args):
     def read(path):
         if metadata_file(path) is not None:
             return None
-        return load_caption_folder(path, args.image_column, args.caption_column, args.default_caption)
+        return load_caption_folder(path, args.image_column, args.caption_column, args.default_caption,
+                                   args.caption_extension)
     return read
 
 
 def check_caption_args(args):
     """Before torch loads: a --train_data_dir without a metadata file is a caption folder, read once here so that its
-    mistakes are reported at once; --default_caption only applies to one."""
+    mistakes are reported at once; --default_caption and --caption_extension only apply to one."""
+    args.caption_extension = caption_extension(args.caption_extension)
     if args.dataset_name is not None:
         if args.default_caption is not None:
             raise UserError("--default_caption is for a --train_data_dir of images with .txt captions; a "
@@ -119,7 +141,7 @@ def check_caption_args(args):
         return  # check_common_args says so
     metadata = metadata_file(args.train_data_dir)
     if metadata is None:
-        read_caption_folder(args.train_data_dir, args.default_caption)
+        read_caption_folder(args.train_data_dir, args.default_caption, args.caption_extension)
     elif args.default_caption is not None:
         raise UserError(f"--default_caption is for a folder of images with .txt captions; '{args.train_data_dir}' is "
                         f"an imagefolder ({metadata}) whose --caption_column has the captions: drop --default_caption")

@@ -61,25 +61,39 @@ def run(main, parse_args, argv=None):
     # A handler for the scripts' own INFO loggers; libraries keep their WARNING levels.
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     quiet_libraries()
-    args = None
+    args, message, rank_one_too = None, None, False
     try:
         args = parse_args(argv)
         main(args)
     except UserError as err:
-        _exit_with(_one_line(str(err)))
+        message = _one_line(str(err))
     except Exception as err:  # a full disk or a read-only folder is the user's to fix, not a bug: one line too
         if _distributed_error(err, r"timed out|timeout"):
-            _exit_with(_timeout_message(err, getattr(args, "ddp_timeout", None)), rank_one_too=True)
-        if _distributed_error(err, r"closed by peer|reset by peer|remote worker"):  # not this process's failure
+            message, rank_one_too = _timeout_message(err, getattr(args, "ddp_timeout", None)), True
+        elif _distributed_error(err, r"closed by peer|reset by peer|remote worker"):  # not this process's failure
             print(f"process {os.environ.get('RANK', '?')} stopped: another process failed (its message is above)",
                   file=sys.stderr, flush=True)
             sys.exit(1)
-        reason = write_error_reason(err)
-        if reason is None:
-            raise
-        where = f" at '{err.filename}'" if getattr(err, "filename", None) else ""
-        _exit_with(f"{reason}{where} ({_one_line(str(err))[:200]}); free some space or fix the folder's "
-                   "permissions, or choose another output folder")
+        else:
+            reason = write_error_reason(err)
+            if reason is None:
+                raise
+            where = f" at '{err.filename}'" if getattr(err, "filename", None) else ""
+            message = (f"{reason}{where} ({_one_line(str(err))[:200]}); free some space or fix the folder's "
+                       "permissions, or choose another output folder")
+    release_unreachable()
+    if message is not None:
+        _exit_with(message, rank_one_too)
+
+
+def release_unreachable():
+    """Collect the run's garbage (the DDP-wrapped models and their process group, kept alive by reference cycles)
+    while the interpreter is whole. Left to the interpreter's exit, gloo's worker thread may free its last collective
+    there: its destructor takes the GIL of an interpreter that is going away, and the process aborts ("terminate
+    called without an active exception", SIGABRT) after a run that finished."""
+    import gc
+
+    gc.collect()
 
 
 def first_line(err, limit=300):

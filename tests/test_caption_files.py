@@ -8,7 +8,7 @@ import pytest
 from conftest import assert_one_line_error, launch, read_results, run_script
 from PIL import Image
 
-from common.caption_files import caption_folder_reader, load_caption_folder, read_caption_folder
+from common.caption_files import caption_extension, caption_folder_reader, load_caption_folder, read_caption_folder
 from common.cli import UserError
 from common.image_data import caption_lists, load_image_dataset
 
@@ -44,7 +44,7 @@ def captioned(tmp_path):
 def sd_args(**kw):
     return Namespace(**{"dataset_name": None, "dataset_config_name": None, "train_data_dir": None, "cache_dir": None,
                         "eval_split": "test", "seed": 0, "max_train_samples": None, "image_column": "image",
-                        "caption_column": "text", "default_caption": None, **kw})
+                        "caption_column": "text", "default_caption": None, "caption_extension": ".txt", **kw})
 
 
 def test_nested_folders_in_sorted_order_each_line_a_caption(captioned):
@@ -76,6 +76,22 @@ def test_images_without_captions_are_named_unless_default_caption(captioned):
     assert "--default_caption" in str(err.value)
     _, captions = read_caption_folder(str(captioned), default_caption="a photo")
     assert captions == [["a red square"], ["first", "second"], [NON_ASCII], *[["a photo"]] * 4]
+
+
+def test_caption_extension_reads_kohya_caption_files(captioned):
+    """--caption_extension .caption (kohya's sd-scripts): the same folder with .caption files; the .txt ones are then
+    neither captions nor orphans, as any other file."""
+    for path in sorted(captioned.rglob("*.txt")):
+        path.rename(path.with_suffix(".caption"))
+    (captioned / "README.txt").write_text("notes")
+    assert [caption_extension(text) for text in ("caption", ".caption", ".CAPTION", " txt ")] == [
+        ".caption", ".caption", ".caption", ".txt"]
+    paths, captions = read_caption_folder(str(captioned), extension=".caption")
+    assert relative(paths, captioned) == ["a.png", "sub/b.JPG", "sub/deeper/c.webp"]
+    assert captions == [["a red square"], ["first", "second"], [NON_ASCII]]
+    args = sd_args(train_data_dir=str(captioned), caption_extension=".caption")
+    train, _ = load_image_dataset(args, carve_eval=False, read_folder=caption_folder_reader(args))
+    assert caption_lists(train["text"], "text") == captions
 
 
 def test_caption_prefix_goes_before_every_caption_and_not_the_dropout_prompt():
@@ -144,6 +160,11 @@ BAD = [
      ("--default_caption", "train/metadata.jsonl", "drop --default_caption")),
     ("default-caption-with-dataset-name", GOOD, ["--dataset_name", "someone/captions", "--default_caption", "a photo"],
      ("--default_caption", "--dataset_name")),
+    ("kohya-caption-files-read-as-txt", {"a.png": None, "a.caption": b"a red square", "b.png": None,
+                                         "b.caption": b"a square"}, [],
+     ("without a .txt caption file", "a.png, b.png", "give --caption_extension .caption")),
+    ("caption-extension-an-image-one", GOOD, ["--caption_extension", ".PNG"],
+     ("--caption_extension", "image extension")),
 ]
 
 

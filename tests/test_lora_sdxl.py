@@ -102,6 +102,19 @@ def test_load_lora_weights_and_the_kohya_file_give_back_the_trained_models(train
         assert f"{key}.lora_down.weight" in keys and f"{key}.alpha" in keys, key
 
 
+def test_validation_images_are_what_sample_py_draws(trained, tmp_path):
+    """The run's last validation image (in-memory peft layers on the UNet and both encoders, an SDXL pipeline built
+    from the parts) against sample.py on the saved LoRA: same sampler, seed, steps and guidance. sample.py itself is
+    checked against diffusers' pipeline in test_sdxl_sampling.py."""
+    proc = run_script("sample.py", "--model", trained, "--prompt", "a handwritten digit seven", "--num_images",
+                      "1", "--num_inference_steps", "2", "--seed", "42", "--output_dir", tmp_path / "samples")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    validation = np.asarray(Image.open(trained / "samples" / "step-4" / "0-0.png").convert("RGB")).astype(int)
+    sampled = np.asarray(Image.open(tmp_path / "samples" / "0000.png").convert("RGB")).astype(int)
+    assert validation.shape == sampled.shape == (32, 32, 3)
+    assert np.abs(validation - sampled).max() <= 1
+
+
 def test_a_resumed_sdxl_run_matches_the_uninterrupted_one(trained, digits, tiny_sdxl, tmp_path):
     out = tmp_path / "resumed"
     out.mkdir()

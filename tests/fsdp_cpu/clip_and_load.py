@@ -11,7 +11,8 @@ import torch
 from accelerate import Accelerator
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
-from common.fsdp import clip_grad_norm, is_fsdp, load_full_weights  # (the repository root is on PYTHONPATH)
+from common.cli import release_unreachable  # (the repository root is on PYTHONPATH)
+from common.fsdp import clip_grad_norm, is_fsdp, load_full_weights
 
 accelerator = Accelerator()
 assert is_fsdp(accelerator) and accelerator.num_processes == 2
@@ -53,3 +54,8 @@ with FSDP.summon_full_params(model):
 accelerator.wait_for_everyone()
 if accelerator.is_main_process:
     print("ok")
+# The sharded model freed while the interpreter is whole, as the recipes' run() does (common.cli.release_unreachable).
+accelerator.free_memory()
+del model, optimizer
+release_unreachable()
+accelerator.end_training()
