@@ -57,23 +57,25 @@ def quiet_loading_bars(libraries=("diffusers", "transformers")):
 
 def run(main, parse_args, argv=None):
     """Parse the flags and run `main(args)`; turn a UserError, or a write that failed for want of space or
-    permission, into `error: <message>` and exit 2."""
+    permission, into `error: <message>` and exit 2. A process of a multi-process run leaves through `leave`."""
     # A handler for the scripts' own INFO loggers; libraries keep their WARNING levels.
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     quiet_libraries()
-    args, message, rank_one_too = None, None, False
+    args, message, rank_one_too, code = None, None, False, 0
     try:
         args = parse_args(argv)
         main(args)
     except UserError as err:
         message = _one_line(str(err))
+    except SystemExit as err:  # a preemption's 130 / 143, a second Ctrl-C
+        code = err.code
     except Exception as err:  # a full disk or a read-only folder is the user's to fix, not a bug: one line too
         if _distributed_error(err, r"timed out|timeout"):
             message, rank_one_too = _timeout_message(err, getattr(args, "ddp_timeout", None)), True
         elif _distributed_error(err, r"closed by peer|reset by peer|remote worker"):  # not this process's failure
             print(f"process {os.environ.get('RANK', '?')} stopped: another process failed (its message is above)",
                   file=sys.stderr, flush=True)
-            sys.exit(1)
+            code = 1
         else:
             reason = write_error_reason(err)
             if reason is None:
@@ -81,19 +83,30 @@ def run(main, parse_args, argv=None):
             where = f" at '{err.filename}'" if getattr(err, "filename", None) else ""
             message = (f"{reason}{where} ({_one_line(str(err))[:200]}); free some space or fix the folder's "
                        "permissions, or choose another output folder")
-    release_unreachable()
     if message is not None:
-        _exit_with(message, rank_one_too)
+        _say_error(message, rank_one_too)
+        code = 2
+    leave(code)
 
 
-def release_unreachable():
-    """Collect the run's garbage (the DDP-wrapped models and their process group, kept alive by reference cycles)
-    while the interpreter is whole. Left to the interpreter's exit, gloo's worker thread may free its last collective
-    there: its destructor takes the GIL of an interpreter that is going away, and the process aborts ("terminate
-    called without an active exception", SIGABRT) after a run that finished."""
+def leave(code=0):
+    """End the script with exit code `code` (0: return, in one process). A process of a multi-process run
+    (WORLD_SIZE > 1) exits without the interpreter's teardown, its output flushed: gloo's worker threads may still hold
+    the last collective (DDP's gradient all-reduce, kept by the final barrier), whose Python state they free while the
+    interpreter goes away, and the process aborts ("terminate called without an active exception", SIGABRT, a
+    launcher traceback) after a run that finished: a third of two-process launches on a busy 2-core machine did.
+    (torch's `destroy_process_group` does not join those threads; see pytorch/pytorch#179291.)"""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        if code:
+            sys.exit(code)
+        return
     import gc
 
-    gc.collect()
+    gc.collect()  # what finalizers close (data loader workers, files) closed now
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code if isinstance(code, int) else 1)
 
 
 def first_line(err, limit=300):
@@ -110,14 +123,13 @@ def one_line(err, limit=300):
     return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
-def _exit_with(message, rank_one_too=False):
+def _say_error(message, rank_one_too=False):
     """One line, not one per process; `rank_one_too`: for the errors the main process need not see (a wait for it
     that timed out), rank 1 says it."""
     if _is_rank_zero():
         print(f"error: {message}", file=sys.stderr, flush=True)
     elif rank_one_too and os.environ.get("RANK") == "1":  # on a line of its own, not after the main one's progress bar
         print(f"\nerror: {message}", file=sys.stderr, flush=True)
-    sys.exit(2)
 
 
 def _distributed_error(err, pattern):

@@ -283,8 +283,9 @@ def test_ctrl_c_through_make_returns_after_the_checkpoint_is_written(config, dig
 def test_two_processes_exit_cleanly_on_a_busy_machine():
     """Pins: a two-process run that had finished could abort at exit (SIGABRT, "terminate called without an active
     exception", a launcher traceback, exit code 1): gloo's worker thread freed DDP's last collective while the
-    interpreter was exiting. common.cli.run now collects the run's garbage first. Two busy loops load both cores, as
-    a parallel test suite does; without the collection about a third of these launches aborted (4 of 12)."""
+    interpreter was exiting. A process of a multi-process run now leaves without that teardown (common.cli.leave).
+    Two busy loops load both cores, as a parallel test suite does; with a plain exit (PROBE_PLAIN_EXIT=1) about a
+    third of these launches aborted (4 of 12)."""
     hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
     try:
         for _ in range(6):

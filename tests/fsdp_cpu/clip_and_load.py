@@ -11,7 +11,7 @@ import torch
 from accelerate import Accelerator
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
-from common.cli import release_unreachable  # (the repository root is on PYTHONPATH)
+from common.cli import leave  # (the repository root is on PYTHONPATH)
 from common.fsdp import clip_grad_norm, is_fsdp, load_full_weights
 
 accelerator = Accelerator()
@@ -54,8 +54,5 @@ with FSDP.summon_full_params(model):
 accelerator.wait_for_everyone()
 if accelerator.is_main_process:
     print("ok")
-# The sharded model freed while the interpreter is whole, as the recipes' run() does (common.cli.release_unreachable).
-accelerator.free_memory()
-del model, optimizer
-release_unreachable()
 accelerator.end_training()
+leave()  # as the recipes' run() does: no interpreter teardown for gloo's worker threads to abort

@@ -9,7 +9,7 @@ import torch
 from accelerate import Accelerator
 
 sys.path.insert(0, sys.argv[1])
-from common.cli import release_unreachable  # noqa: E402
+from common.cli import leave  # noqa: E402
 from common.training import build_lr_scheduler, plan_steps  # noqa: E402
 
 
@@ -44,4 +44,4 @@ def main():
 
 
 main()
-release_unreachable()  # as the recipes' run() does: gloo's last work freed before the interpreter exits
+leave()  # as the recipes' run() does: no interpreter teardown for gloo's worker threads to abort
