@@ -72,6 +72,7 @@ def parse_args(argv=None):
     args = parser.parse_args(argv)
     check_common_args(args)
     check_optimizer_args(args)
+    resolve_resume(args.resume_from_checkpoint, args.output_dir)  # a wrong checkpoint path: before torch loads
     if not 0 < args.train_val_split < 1:
         parser.error(f"--train_val_split must be between 0 and 1 (exclusive), not {args.train_val_split}")
     if (args.text_column is None) != (args.text_model_name_or_path is None):

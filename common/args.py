@@ -178,8 +178,6 @@ def check_common_args(args):
     """Checks that need no heavy import, so a mistake is reported before torch loads."""
     import os
 
-    from .checkpoints import resolve_resume
-
     if args.dataset_name is None:
         root = args.train_data_dir
         if not os.path.isdir(root):
@@ -195,7 +193,6 @@ def check_common_args(args):
     if os.path.relpath(os.path.normpath(logs), os.path.normpath(args.output_dir)).split(os.sep)[0] == os.pardir:
         raise UserError(f"--logging_dir '{args.logging_dir}' / --tracker_project_name '{args.tracker_project_name}' "
                         f"lead outside --output_dir; give names inside it")
-    resolve_resume(args.resume_from_checkpoint, args.output_dir)
 
 
 # What datasets' imagefolder reads (its IMAGE_EXTENSIONS), here without importing datasets or PIL's plugins.
