@@ -19,9 +19,10 @@ OTHER_EXTENSIONS = (".txt", ".caption")  # what an error suggests when the files
 
 def caption_extension(text):
     """--caption_extension: ".txt", "txt" -> ".txt"; an image extension or an empty one is an error."""
-    extension = "." + text.strip().lstrip(".").lower() if text.strip().lstrip(".") else ""
-    if not extension or "/" in extension or os.sep in extension:
+    name = text.strip().lstrip(".").lower()
+    if not name or "/" in name or os.sep in name:
         raise UserError(f"--caption_extension '{text}' is not a file extension; give one such as .txt or .caption")
+    extension = "." + name
     if extension in IMAGE_EXTENSIONS:
         raise UserError(f"--caption_extension '{text}' is an image extension; captions are text files (.txt, "
                         ".caption)")
@@ -89,8 +90,8 @@ def read_caption_folder(root, default_caption=None, extension=CAPTION_EXTENSION)
     missing = [path for path in images if os.path.splitext(path)[0] not in texts]
     if missing and default_caption is None:
         stems = {os.path.splitext(path)[0] for path in missing}
-        other = next((ext for ext in OTHER_EXTENSIONS if ext != extension and any(
-            os.path.splitext(path)[0] in stems and os.path.splitext(path)[1].lower() == ext for path in files)), None)
+        other = next((ext.lower() for stem, ext in map(os.path.splitext, files)
+                      if stem in stems and ext.lower() in OTHER_EXTENSIONS and ext.lower() != extension), None)
         if other:  # e.g. kohya's .caption files read as .txt
             raise UserError(f"images without a {extension} caption file in '{root}' ({len(missing)} of {len(images)}):"
                             f" {listed(missing)}; their captions are {other} files: give --caption_extension {other}")

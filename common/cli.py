@@ -100,13 +100,17 @@ def leave(code=0):
         if code:
             sys.exit(code)
         return
+    if not isinstance(code, int):  # sys.exit(None) or sys.exit("message"), as the interpreter reads them
+        if code is not None:
+            print(code, file=sys.stderr)
+        code = 0 if code is None else 1
     import gc
 
     gc.collect()  # what finalizers close (data loader workers, files) closed now
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(code if isinstance(code, int) else 1)
+    os._exit(code)
 
 
 def first_line(err, limit=300):

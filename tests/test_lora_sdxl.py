@@ -12,6 +12,7 @@ from PIL import Image
 from safetensors import safe_open
 from safetensors.torch import load_file
 from test_buckets import write_mixed_folder
+from test_sdxl_sampling import pixels
 
 TEXT_TARGETS = ["q_proj", "k_proj", "v_proj", "out_proj"]
 UNET_TARGETS = ["to_k", "to_q", "to_v", "to_out.0", "conv1", "conv2", "conv"]  # "conv": the down/upsamplers
@@ -109,8 +110,7 @@ def test_validation_images_are_what_sample_py_draws(trained, tmp_path):
     proc = run_script("sample.py", "--model", trained, "--prompt", "a handwritten digit seven", "--num_images",
                       "1", "--num_inference_steps", "2", "--seed", "42", "--output_dir", tmp_path / "samples")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    validation = np.asarray(Image.open(trained / "samples" / "step-4" / "0-0.png").convert("RGB")).astype(int)
-    sampled = np.asarray(Image.open(tmp_path / "samples" / "0000.png").convert("RGB")).astype(int)
+    validation, sampled = pixels(trained / "samples" / "step-4" / "0-0.png"), pixels(tmp_path / "samples" / "0000.png")
     assert validation.shape == sampled.shape == (32, 32, 3)
     assert np.abs(validation - sampled).max() <= 1
 
