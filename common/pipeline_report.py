@@ -6,7 +6,7 @@ import os
 import re
 
 from .cli import UserError, first_line
-from .stable_diffusion import LORA_WEIGHTS, read_lora_info
+from .lora_files import LORA_WEIGHTS, read_lora_info
 
 
 # ---------------------------------------------------------------------------------------------- what it holds

@@ -11,7 +11,7 @@ from .cli import UserError, first_line
 from .diffusion import DEFAULT_GUIDANCE_SCALE, sample_images, to_pil
 from .pipeline_report import image_size
 from .pipelines import class_label_ids
-from .stable_diffusion import decode_fp32
+from .vae import decode_fp32
 
 
 # ---------------------------------------------------------------------------------------------- the recorder

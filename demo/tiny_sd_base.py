@@ -157,8 +157,8 @@ def finish(args):
     import torch
     import transformers
 
+    from common.base_models import CHECKSUMS, file_sha256
     from common.diffusion import image_grid, to_pil
-    from common.stable_diffusion import CHECKSUMS, file_sha256
 
     metrics, images = evaluate_base(args.model, args.judge, args.per_digit)
     print(json.dumps(metrics))

@@ -37,7 +37,7 @@ def draw(pipe, per_digit, style=False, **kwargs):
 
 
 def test_shipped_files_match_their_checksums_and_load():
-    from common.stable_diffusion import CHECKSUMS, file_sha256
+    from common.base_models import CHECKSUMS, file_sha256
 
     listed = dict(reversed(line.split(maxsplit=1)) for line in (BASE / CHECKSUMS).read_text().splitlines())
     files = {str(p.relative_to(BASE)) for p in BASE.rglob("*") if p.is_file()}
