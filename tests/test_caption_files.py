@@ -215,6 +215,13 @@ def test_text_to_image_checks_caption_folders_too(tmp_path):
                    ("without a caption file", "sub/c.png", "--default_caption"))
 
 
+def test_both_trainers_document_enable_wildcard_in_help():
+    for script in ("train_lora.py", "train_text_to_image.py"):
+        text = " ".join(run_script(script, "--help").stdout.split())
+        assert "--enable_wildcard Caption files: every non-empty line a caption, one picked at random per step" in text
+        assert "Without it: the first line, as kohya reads them." in text
+
+
 def test_text_to_image_takes_enable_wildcard_and_refuses_the_brace_notation(tmp_path):
     assert_refused("train_text_to_image.py", tmp_path, {**GOOD, "sub/b.txt": b"a {green|blue} square\nsecond"},
                    ["--enable_wildcard"], ("sub/b.txt", "wildcard notation ('{green|blue}')", "a caption line"))
