@@ -539,6 +539,7 @@ def lora_info(args):
             "variant": args.variant, "rank": args.rank, "lora_alpha": args.lora_alpha,
             "target_modules": args.target_modules, "use_dora": args.use_dora,
             "train_text_encoder": args.train_text_encoder, "prediction_type": args.prediction_type,
+            "max_sequence_length": args.max_sequence_length,  # T5's prompt length: sample.py's default too
             "ema_weights": args.use_ema,  # the weights in pytorch_lora_weights.safetensors are the EMA ones
             "trigger": args.caption_prefix.strip(" ,") or None}  # --caption_prefix: what prompts need to show it
 

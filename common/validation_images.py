@@ -35,8 +35,10 @@ def validation_images(args, accelerator, family, parts, scheduler, step, sizes=N
                 text = family.pipeline_prompt_kwargs(*[None if c is None else {
                     k: v.to(accelerator.device).expand(args.num_validation_images, *v.shape[1:])
                     for k, v in c.items()} for c in (embeddings(prompt), uncond)])
-            else:
+            else:  # (at the T5 length the run trains with)
                 text = {"prompt": [prompt] * args.num_validation_images}
+                if "max_sequence_length" in family.SAMPLE_FLAGS:
+                    text["max_sequence_length"] = args.max_sequence_length
             for s, (height, width) in enumerate(sizes or [family.sample_size(pipe)]):
                 generators = [torch.Generator().manual_seed(args.seed + j) for j in range(args.num_validation_images)]
                 with torch.no_grad(), accelerator.autocast():

@@ -85,6 +85,12 @@ def unpack(tokens, h, w):
     return tokens.view(b, h // 2, w // 2, channels // 4, 2, 2).permute(0, 3, 1, 4, 2, 5).reshape(b, channels // 4, h, w)
 
 
+def packed_shape(shape):
+    """[B, C, H, W] latents' shape as the transformer sees them."""
+    b, c, h, w = shape
+    return [b, (h // 2) * (w // 2), c * 4]
+
+
 def image_ids(h, w, device):
     """Each packed token's (0, row, column): FluxPipeline._prepare_latent_image_ids for h/2 x w/2 tokens."""
     import torch
