@@ -23,6 +23,8 @@ import json
 import os
 import shutil
 
+from common.text_encoder_keys import add_text_model_prefix
+
 # The public configs of stable-diffusion-v1-5 (unet/config.json, vae/config.json) and of CLIP ViT-L/14's text
 # tower (its text_encoder/config.json); only the vocabulary differs: the byte-level one below has 514 tokens, the
 # embedding table keeps CLIP's 49,408 rows.
@@ -163,6 +165,7 @@ def write_tiny_sd(output_dir, architecture="tiny", seed=0, device="cpu", **kwarg
     tmp = output_dir + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     pipe.save_pretrained(tmp, safe_serialization=True)
+    add_text_model_prefix(os.path.join(tmp, "text_encoder"))  # the key names ComfyUI's CLIP loader reads
     vocab = byte_level_vocab()  # also the classic files, which older transformers versions read
     for tokenizer in ("tokenizer", "tokenizer_2"):
         if os.path.isdir(os.path.join(tmp, tokenizer)):
