@@ -21,7 +21,7 @@ One GPU, Stable Diffusion 1.5 from the hub (full fine-tuning wants a large GPU; 
         --output_dir outputs/sd-naruto
 Then:  python sample.py --model outputs/sd-naruto --prompt "a girl with pink hair"
 
-Copy with: common/__init__.py, common/args.py, common/buckets.py, common/caption_files.py, common/checkpoints.py, common/cli.py, common/diffusion.py, common/distributed.py, common/fsdp.py, common/image_data.py, common/optimizers.py, common/preemption.py, common/reporting.py, common/sdxl.py, common/stable_diffusion.py, common/training.py, common/unet_config.py, common/validation_loss.py
+Copy with: common/__init__.py, common/args.py, common/buckets.py, common/caption_files.py, common/checkpoints.py, common/cli.py, common/diffusion.py, common/distributed.py, common/fsdp.py, common/image_data.py, common/optimizers.py, common/preemption.py, common/reporting.py, common/sdxl.py, common/single_file_checkpoint.py, common/stable_diffusion.py, common/text_encoder_keys.py, common/training.py, common/unet_config.py, common/validation_loss.py
 """  # noqa: E501 (the copy list stays one line, for grep)
 import json
 import math
@@ -49,6 +49,7 @@ from common.checkpoints import resolve_resume
 from common.cli import UserError, quiet_loading_bars, run
 from common.diffusion import SCHEDULER_CLASSES, SD_SCHEDULER, diffusion_loss, diffusion_target
 from common.optimizers import add_optimizer_args, check_optimizer_args
+from common.single_file_checkpoint import check_pipeline_folder, save_single_file, single_file_path
 from common.stable_diffusion import (
     SHIPPED_BASE,
     base_resolution,
@@ -59,6 +60,7 @@ from common.stable_diffusion import (
     size_factor,
     validation_images,
 )
+from common.text_encoder_keys import add_text_model_prefix
 from common.training import add_ema_args, check_resumed_ema, ema_weights
 from common.unet_config import read_json_config
 
@@ -83,6 +85,10 @@ def parse_args(argv=None):
     g.add_argument("--noise_offset", type=float, default=0.0, help="Offset noise scale (0.05-0.1 is usual).")
     g.add_argument("--gradient_checkpointing", action="store_true", help="Less memory, ~30%% slower.")
     add_ema_args(g)
+    g.add_argument("--save_model_as", default="diffusers", choices=["diffusers", "safetensors"],
+                   help="kohya's flag. safetensors: also OUTPUT_DIR/<its name>.safetensors, the single-file "
+                        "checkpoint (original SD layout) that ComfyUI's and A1111/Forge's checkpoint loaders and "
+                        "diffusers' from_single_file read. The pipeline folder is always written.")
     g = parser.add_argument_group("validation")
     g.add_argument("--validation_prompt", action="append", default=[], help="Repeatable.")
     g.add_argument("--num_validation_images", type=positive_int, default=2, help="Images per prompt.")
@@ -106,6 +112,8 @@ def parse_args(argv=None):
     if args.unet_config:
         args.unet_config = read_unet_config(args.unet_config)
         check_unet_fits(args.unet_config, args.pretrained_model_name_or_path)
+    if args.save_model_as == "safetensors":  # (a hub base: checked when it is written)
+        check_pipeline_folder(args.pretrained_model_name_or_path, "--save_model_as safetensors", args.unet_config)
     check_bucket_args(args)
     if args.buckets == "auto" and os.path.isdir(args.pretrained_model_name_or_path):  # a hub base: once loaded
         check_bucket_resolution(args.resolution, size_factor(args.pretrained_model_name_or_path,
@@ -440,6 +448,9 @@ def main(args):
                                                safety_checker=None, feature_extractor=None,
                                                requires_safety_checker=False)
                 pipe.save_pretrained(args.output_dir)
+                add_text_model_prefix(os.path.join(args.output_dir, "text_encoder"))  # (ComfyUI's CLIP loader)
+                if args.save_model_as == "safetensors":
+                    save_single_file(pipe, single_file_path(args.output_dir))
             base = args.pretrained_model_name_or_path
             write_model_card(
                 args.output_dir, "Stable Diffusion UNet trained with train_text_to_image.py",

@@ -118,7 +118,8 @@ def text_encoder_targets(name, encoder, kind, targets):
 
 RESNET_PARTS = {"conv1": "in_layers.2", "conv2": "out_layers.3", "time_emb_proj": "emb_layers.1",
                 "conv_shortcut": "skip_connection", "norm1": "in_layers.0", "norm2": "out_layers.0"}
-TOP_LEVEL = {"conv_in": "input_blocks.0.0", "conv_out": "out.2", "time_embedding.linear_1": "time_embed.0",
+TOP_LEVEL = {"conv_in": "input_blocks.0.0", "conv_norm_out": "out.0", "conv_out": "out.2",
+             "time_embedding.linear_1": "time_embed.0",
              "time_embedding.linear_2": "time_embed.2", "add_embedding.linear_1": "label_emb.0.0",
              "add_embedding.linear_2": "label_emb.0.2"}
 

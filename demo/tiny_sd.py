@@ -11,6 +11,7 @@ with cross-attention at both levels, a 2-layer CLIP text encoder (77 tokens).
 --architecture sd15: Stable Diffusion 1.5's own architecture from its public configs (UNet 860 M parameters, VAE
 84 M, CLIP ViT-L/14 text encoder 123 M), 512 px -> 64x64x4 latents: what GPU speed and memory are measured on
 (`make bench-gpu`). About 4 GB on disk; build it on a GPU (--device cuda) if one is there.
+--architecture sd2: Stable Diffusion 2.1's (OpenCLIP ViT-H/14 text tower, 1024-wide cross-attention), likewise.
 --architecture tiny-sdxl (`make tiny-sdxl`): the same for Stable Diffusion XL (StableDiffusionXLPipeline): two text
 encoders (CLIPTextModel and CLIPTextModelWithProjection, 32- and 64-wide: the UNet attends to their 96-wide
 concatenation and takes the second's pooled embedding and the six size "time ids" through its added conditioning),
@@ -40,6 +41,17 @@ SD15 = {
                 layers_per_block=2, norm_num_groups=32, sample_size=512, scaling_factor=0.18215),
     "text": dict(vocab_size=49408, hidden_size=768, intermediate_size=3072, num_hidden_layers=12,
                  num_attention_heads=12, max_position_embeddings=77, projection_dim=768, hidden_act="quick_gelu"),
+}
+
+# stable-diffusion-2-1's public configs: the same VAE; the UNet attends to OpenCLIP ViT-H/14's text tower (1024 wide,
+# GELU; diffusers keeps its first 23 of 24 layers, as SD 2 reads the penultimate one) through linear projections,
+# with 64-channel attention heads.
+SD2 = {
+    "unet": {**SD15["unet"], "sample_size": 96, "cross_attention_dim": 1024, "attention_head_dim": (5, 10, 20, 20),
+             "use_linear_projection": True},
+    "vae": {**SD15["vae"], "sample_size": 768},
+    "text": dict(vocab_size=49408, hidden_size=1024, intermediate_size=4096, num_hidden_layers=23,
+                 num_attention_heads=16, max_position_embeddings=77, projection_dim=512, hidden_act="gelu"),
 }
 
 
@@ -158,7 +170,7 @@ def build_tiny_sd(unet_channels=(32, 64), text_dim=32, seed=0):
 
 def write_tiny_sd(output_dir, architecture="tiny", seed=0, device="cpu", **kwargs):
     """Build and save; the folder appears under its final name only when complete. -> the number of parameters."""
-    configs = {"sd15": SD15, "sdxl": SDXL, "tiny-sdxl": tiny_sdxl_configs(**kwargs)}.get(architecture) \
+    configs = {"sd15": SD15, "sd2": SD2, "sdxl": SDXL, "tiny-sdxl": tiny_sdxl_configs(**kwargs)}.get(architecture) \
         or tiny_configs(**kwargs)
     pipe = build_random_sd(configs, seed, device)
     output_dir = output_dir.rstrip("/")
@@ -174,7 +186,8 @@ def write_tiny_sd(output_dir, architecture="tiny", seed=0, device="cpu", **kwarg
             with open(os.path.join(tmp, tokenizer, "merges.txt"), "w") as f:
                 f.write("#version: 0.2\n")
     with open(os.path.join(tmp, "README.md"), "w") as f:
-        what = {"sd15": "Stable Diffusion 1.5 architecture", "sdxl": "Stable Diffusion XL architecture",
+        what = {"sd15": "Stable Diffusion 1.5 architecture", "sd2": "Stable Diffusion 2.1 architecture",
+                "sdxl": "Stable Diffusion XL architecture",
                 "tiny-sdxl": "tiny Stable Diffusion XL"}.get(architecture, "tiny Stable Diffusion")
         f.write(f"# {os.path.basename(output_dir)}\n\nA **random-init** {what} pipeline written by `python -m "
                 "demo.tiny_sd`, for offline runs, tests and benchmarks. It produces noise, not pictures.\n")
@@ -188,7 +201,7 @@ def write_tiny_sd(output_dir, architecture="tiny", seed=0, device="cpu", **kwarg
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--output_dir", default="models/tiny-sd")
-    parser.add_argument("--architecture", choices=["tiny", "sd15", "tiny-sdxl", "sdxl"], default="tiny")
+    parser.add_argument("--architecture", choices=["tiny", "sd15", "sd2", "tiny-sdxl", "sdxl"], default="tiny")
     parser.add_argument("--device", default="cpu", help="Where the weights are initialised (cuda: much faster).")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
