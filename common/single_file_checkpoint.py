@@ -45,13 +45,13 @@ SD_SCHEDULE = {"num_train_timesteps": 1000, "beta_start": 0.00085, "beta_end": 0
 logger = logging.getLogger(__name__)
 
 
-def layers_per_block(config, what="the UNet"):
+def layers_per_block(config, flag, what="the UNet"):
     """The original layout numbers its blocks with one count of layers per level."""
     layers = config.get("layers_per_block", 2 if what == "the UNet" else 1)
     if isinstance(layers, (list, tuple)):
         if len(set(layers)) != 1:
-            raise UserError(f"{what}'s layers_per_block {list(layers)} differs from level to level: {LAYOUT} "
-                            "has one count for all levels")
+            raise UserError(f"{flag}: {what}'s layers_per_block {list(layers)} differs from level to level, and "
+                            f"{LAYOUT} has one count for all levels")
         layers = layers[0]
     return layers
 
@@ -67,7 +67,7 @@ def check_unet_config(config, flag):
     if wrong:
         raise UserError(f"{flag}: the UNet has {', '.join(wrong)}, which {LAYOUT} cannot hold; it holds SD 1.x/2.x "
                         "and SDXL UNets (CrossAttn/plain Down and Up blocks, UNetMidBlock2DCrossAttn)")
-    layers_per_block(config)
+    layers_per_block(config, flag)
 
 
 def check_vae_config(config, flag):
@@ -76,7 +76,7 @@ def check_vae_config(config, flag):
                                                                                   "UpDecoderBlock2D"}:
         raise UserError(f"{flag}: the VAE ({config.get('_class_name')} with {sorted(kinds)}) is not Stable "
                         f"Diffusion's AutoencoderKL, which {LAYOUT} holds")
-    layers_per_block(config, "the VAE")
+    layers_per_block(config, flag, "the VAE")
 
 
 def check_text_config(config, flag, name="text_encoder"):
@@ -109,7 +109,7 @@ def check_pipeline_folder(base, flag, unet_config=None):
 def unet_weights(state, config, flag):
     """diffusers UNet2DConditionModel weights -> the ldm/sgm UNet's, under model.diffusion_model."""
     check_unet_config(config, flag)
-    config = {**config, "layers_per_block": layers_per_block(config)}
+    config = {**config, "layers_per_block": layers_per_block(config, flag)}
     out = {}
     for key, tensor in state.items():
         module, _, param = key.rpartition(".")
@@ -124,8 +124,9 @@ def unet_weights(state, config, flag):
 
 
 def vae_weights(state, config, flag):
-    """diffusers AutoencoderKL weights -> the ldm VAE's (encoder.down.{i}.block.{j}, decoder.up.{i}: numbered from
-    the lowest resolution up, mid.block_1/attn_1/block_2), under first_stage_model."""
+    """diffusers AutoencoderKL weights -> the ldm VAE's (encoder.down.{i}.block.{j}; decoder.up.{i}, numbered like
+    the encoder's levels, so in the reverse of diffusers' up_blocks; mid.block_1/attn_1/block_2), under
+    first_stage_model."""
     check_vae_config(config, flag)
     levels = len(config["block_out_channels"])
     out = {}
@@ -276,8 +277,7 @@ def ui_notes(unet_config, vae_config, scheduler_config):
 
 def architecture(unet_config, prediction_type):
     """ModelSpec's modelspec.architecture of the checkpoint."""
-    name = family(unet_config)
-    if unet_config.get("addition_embed_type") == "text_time" or name == "SDXL":
+    if unet_config.get("addition_embed_type") == "text_time":
         return "stable-diffusion-xl-v1-base"
     if unet_config.get("cross_attention_dim") == 1024:
         return "stable-diffusion-v2-768-v" if prediction_type == "v_prediction" else "stable-diffusion-v2-512"
