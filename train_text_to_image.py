@@ -24,7 +24,7 @@ One GPU, Stable Diffusion 1.5 from the hub (full fine-tuning wants a large GPU; 
 Then:  python sample.py --model outputs/sd-naruto --prompt "a girl with pink hair"
 
 A copy also needs the module of its base's family: common/families/sd.py, sdxl.py, sd3.py or flux.py.
-Copy with: common/__init__.py, common/args.py, common/base_models.py, common/buckets.py, common/caption_files.py, common/checkpoints.py, common/cli.py, common/diffusion.py, common/distributed.py, common/families/__init__.py, common/fsdp.py, common/image_data.py, common/objectives.py, common/optimizers.py, common/preemption.py, common/prompts.py, common/reporting.py, common/training.py, common/unet_config.py, common/vae.py, common/validation_images.py, common/validation_loss.py
+Copy with: common/__init__.py, common/args.py, common/base_models.py, common/buckets.py, common/caption_files.py, common/checkpoints.py, common/cli.py, common/diffusion.py, common/distributed.py, common/families/__init__.py, common/fsdp.py, common/image_data.py, common/objectives.py, common/optimizers.py, common/preemption.py, common/prompts.py, common/reporting.py, common/sgm_names.py, common/single_file_checkpoint.py, common/text_encoder_keys.py, common/training.py, common/unet_config.py, common/vae.py, common/validation_images.py, common/validation_loss.py
 """  # noqa: E501 (the copy list stays one line, for grep)
 import math
 import os
@@ -49,6 +49,8 @@ from common.checkpoints import resolve_resume
 from common.cli import UserError, quiet_loading_bars, run
 from common.objectives import add_objective_args
 from common.optimizers import add_optimizer_args, check_optimizer_args
+from common.single_file_checkpoint import check_single_file_base, save_single_file, single_file_path
+from common.text_encoder_keys import add_text_model_prefix
 from common.training import add_ema_args, check_resumed_ema, ema_weights
 from common.unet_config import read_json_config
 from common.validation_images import add_validation_image_args
@@ -71,6 +73,11 @@ def parse_args(argv=None):
                    help="The same for a transformer base (SD3Transformer2DModel, FluxTransformer2DModel config).")
     add_objective_args(g)
     add_ema_args(g)
+    g.add_argument("--save_model_as", default="diffusers", choices=["diffusers", "safetensors"],
+                   help="kohya's flag. safetensors: also OUTPUT_DIR/<its name>.safetensors, the single-file "
+                        "checkpoint (original SD layout) that ComfyUI's and A1111/Forge's checkpoint loaders and "
+                        "diffusers' from_single_file read (SD 1.x/2.x and SDXL). The pipeline folder is always "
+                        "written.")
     add_validation_image_args(parser.add_argument_group("validation"), validation_steps=500)
     add_training_args(parser, output_dir="outputs/text-to-image", learning_rate=1e-5, train_batch_size=16,
                       num_train_epochs=5, lr_scheduler="constant", lr_warmup_steps=0)
@@ -87,6 +94,8 @@ def parse_args(argv=None):
         check_denoiser_flag(args, family)
     if args.denoiser_config and family:
         check_denoiser_fits(args.denoiser_config, args.pretrained_model_name_or_path, family)
+    if args.save_model_as == "safetensors" and family:  # (a hub base: checked once its family is known)
+        check_save_model_as(args, family)
     check_bucket_args(args)
     if args.buckets == "auto" and family:  # a hub base: once loaded
         check_bucket_resolution(args.resolution, size_factor(args.pretrained_model_name_or_path, family,
@@ -152,6 +161,8 @@ def main(args):
     check_family_args(args, family)  # (a hub base's: now that its family is known)
     check_denoiser_flag(args, family)
     check_validation_image_args(args, family)
+    if args.save_model_as == "safetensors":
+        check_save_model_as(args, family)
     args.resolution, _ = base_resolution(path, args.resolution, family, args.revision, args.cache_dir)
     # held out: --validation_split's images, for val/loss; a folder without metadata: .txt captions
     train_ds, held_out_ds = load_with_validation(args, read_folder=caption_folder_reader(args))
@@ -398,7 +409,12 @@ def main(args):
             with ema_weights(ema, final[family.DENOISER]):
                 saved = {**{name: part.to(torch.float32) if name.startswith("text_encoder") and part is not None
                             else part for name, part in parts.items()}, **final}  # text encoders in fp32, as loaded
-                getattr(diffusers, family.PIPELINE)(**saved, **family.PIPELINE_EXTRAS).save_pretrained(args.output_dir)
+                pipe = getattr(diffusers, family.PIPELINE)(**saved, **family.PIPELINE_EXTRAS)
+                pipe.save_pretrained(args.output_dir)
+                for name in family.TEXT_ENCODERS:  # CLIPs' keys under text_model. (ComfyUI's CLIP loader reads those)
+                    add_text_model_prefix(os.path.join(args.output_dir, name))
+                if args.save_model_as == "safetensors":
+                    save_single_file(pipe, single_file_path(args.output_dir))
             base, name = args.pretrained_model_name_or_path, family.DENOISER
             write_model_card(
                 args.output_dir, f"{family.NAME} {name} trained with train_text_to_image.py",
@@ -453,6 +469,15 @@ def check_denoiser_flag(args, family):
         if getattr(args, flag) and family.DENOISER != kind:
             raise UserError(f"--{flag}: a {family.NAME} base has a {family.DENOISER}, not a {kind}: give "
                             f"--{family.DENOISER}_config")
+
+
+def check_save_model_as(args, family):
+    """The single-file layout holds SD 1.x/2.x and SDXL UNets; a local base's configs are checked against it before
+    training (a hub base's when it is written)."""
+    if not family.SINGLE_FILE:
+        raise UserError(f"--save_model_as safetensors: the single-file checkpoint holds SD 1.x/2.x and SDXL bases, not "
+                        f"{family.NAME}; leave it out (the pipeline folder loads in diffusers)")
+    check_single_file_base(args.pretrained_model_name_or_path, "--save_model_as safetensors", args.denoiser_config)
 
 
 def check_denoiser_fits(config, base, family, revision=None, cache_dir=None):

@@ -11,6 +11,7 @@ with cross-attention at both levels, a 2-layer CLIP text encoder (77 tokens).
 --architecture sd15: Stable Diffusion 1.5's own architecture from its public configs (UNet 860 M parameters, VAE
 84 M, CLIP ViT-L/14 text encoder 123 M), 512 px -> 64x64x4 latents: what GPU speed and memory are measured on
 (`make bench-gpu`). About 4 GB on disk; build it on a GPU (--device cuda) if one is there.
+--architecture sd2: Stable Diffusion 2.1's (OpenCLIP ViT-H/14 text tower, 1024-wide cross-attention), likewise.
 --architecture tiny-sdxl (`make tiny-sdxl`): the same for Stable Diffusion XL (StableDiffusionXLPipeline): two text
 encoders (CLIPTextModel and CLIPTextModelWithProjection, 32- and 64-wide: the UNet attends to their 96-wide
 concatenation and takes the second's pooled embedding and the six size "time ids" through its added conditioning),
@@ -27,6 +28,8 @@ import json
 import os
 import shutil
 
+from common.text_encoder_keys import add_text_model_prefix
+
 # The public configs of stable-diffusion-v1-5 (unet/config.json, vae/config.json) and of CLIP ViT-L/14's text
 # tower (its text_encoder/config.json); only the vocabulary differs: the byte-level one below has 514 tokens, the
 # embedding table keeps CLIP's 49,408 rows.
@@ -42,6 +45,17 @@ SD15 = {
                 layers_per_block=2, norm_num_groups=32, sample_size=512, scaling_factor=0.18215),
     "text": dict(vocab_size=49408, hidden_size=768, intermediate_size=3072, num_hidden_layers=12,
                  num_attention_heads=12, max_position_embeddings=77, projection_dim=768, hidden_act="quick_gelu"),
+}
+
+# stable-diffusion-2-1's public configs: the same VAE; the UNet attends to OpenCLIP ViT-H/14's text tower (1024 wide,
+# GELU; diffusers keeps its first 23 of 24 layers, as SD 2 reads the penultimate one) through linear projections,
+# with 64-channel attention heads.
+SD2 = {
+    "unet": {**SD15["unet"], "sample_size": 96, "cross_attention_dim": 1024, "attention_head_dim": (5, 10, 20, 20),
+             "use_linear_projection": True},
+    "vae": {**SD15["vae"], "sample_size": 768},
+    "text": dict(vocab_size=49408, hidden_size=1024, intermediate_size=4096, num_hidden_layers=23,
+                 num_attention_heads=16, max_position_embeddings=77, projection_dim=512, hidden_act="gelu"),
 }
 
 
@@ -173,7 +187,8 @@ def build_tiny_sd(unet_channels=(32, 64), text_dim=32, seed=0):
 
 # What each --architecture is, for the model card and the message.
 WHAT = {"tiny": "tiny Stable Diffusion", "sd15": "Stable Diffusion 1.5 architecture",
-        "tiny-sdxl": "tiny Stable Diffusion XL", "sdxl": "Stable Diffusion XL architecture",
+        "sd2": "Stable Diffusion 2.1 architecture", "tiny-sdxl": "tiny Stable Diffusion XL",
+        "sdxl": "Stable Diffusion XL architecture",
         "tiny-sd3": "tiny Stable Diffusion 3", "sd3": "Stable Diffusion 3 Medium architecture",
         "tiny-flux": "tiny Flux.1", "flux": "Flux.1-dev architecture"}
 FLOW = ("tiny-sd3", "tiny-flux", "sd3", "flux")  # the flow-matching transformers: demo/tiny_flow.py
@@ -190,13 +205,16 @@ def write_tiny_sd(output_dir, architecture="tiny", seed=0, device="cpu", **kwarg
         dtype = None if architecture.startswith("tiny") else torch.bfloat16
         pipe = build_random_flow(CONFIGS[architecture](), seed, device, dtype)
     else:
-        configs = {"sd15": SD15, "sdxl": SDXL, "tiny-sdxl": tiny_sdxl_configs(**kwargs)}.get(architecture) \
+        configs = {"sd15": SD15, "sd2": SD2, "sdxl": SDXL, "tiny-sdxl": tiny_sdxl_configs(**kwargs)}.get(architecture) \
             or tiny_configs(**kwargs)
         pipe = build_random_sd(configs, seed, device)
     output_dir = output_dir.rstrip("/")
     tmp = output_dir + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     pipe.save_pretrained(tmp, safe_serialization=True)
+    for name in pipe.components:
+        if name.startswith("text_encoder"):  # (a CLIPTextModel's: the key names ComfyUI's CLIP loader reads)
+            add_text_model_prefix(os.path.join(tmp, name))
     for name, component in pipe.components.items():
         if type(component).__name__.startswith("CLIPTokenizer"):
             write_clip_vocab_files(os.path.join(tmp, name))

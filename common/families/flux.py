@@ -31,6 +31,7 @@ SAMPLERS = FLOW_SCHEDULER_CLASSES
 SAMPLER, SAMPLE_STEPS, SAMPLE_GUIDANCE = "euler", 28, 3.5  # FluxPipeline's defaults
 SAMPLE_FLAGS = ("max_sequence_length",)
 PIPELINE_EXTRAS = {}
+SINGLE_FILE = False  # no single-file checkpoint layout here (train_text_to_image.py --save_model_as)
 NATIVE_SIZE_FROM = "VAE"  # whose config's sample_size is the native training size
 RESOLUTION_FACTOR = "the VAE's downsampling factor times 2 (Flux packs 2 x 2 latents)"
 

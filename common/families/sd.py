@@ -33,6 +33,7 @@ def native_resolution(configs):
     return vae_sample_size(configs["vae"])
 
 
+SINGLE_FILE = True  # the original single-file checkpoint layout holds it (train_text_to_image.py --save_model_as)
 NATIVE_SIZE_FROM = "VAE"  # whose config's sample_size is the native training size
 RESOLUTION_FACTOR = "the VAE's downsampling factor"
 

@@ -34,6 +34,7 @@ SAMPLERS = FLOW_SCHEDULER_CLASSES
 SAMPLER, SAMPLE_STEPS, SAMPLE_GUIDANCE = "euler", 28, 7.0  # StableDiffusion3Pipeline's defaults
 SAMPLE_FLAGS = ("negative_prompt", "max_sequence_length", "drop_t5")
 PIPELINE_EXTRAS = {}
+SINGLE_FILE = False  # no single-file checkpoint layout here (train_text_to_image.py --save_model_as)
 NATIVE_SIZE_FROM = "transformer"  # whose config's sample_size is the native training size
 RESOLUTION_FACTOR = "the VAE's downsampling factor times the transformer's patch size"
 
