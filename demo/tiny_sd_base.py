@@ -156,7 +156,10 @@ def evaluate_base(model, judge_path, per_digit, seed=0):
             "style_rate": result["style_rate"], "sample_time_s": round(time.time() - start, 1)}, images
 
 
-def finish(args):
+def finish(args, files=PIPELINE_FILES, card=None):
+    """Measure the trained pipeline (evaluate_base), refuse it below --min_accuracy, and write the shipped folder:
+    the pipeline's `files`, samples.png, checksums.sha256, base_metrics.json and the model card (`card(metrics,
+    info, args)` -> its title, introduction, table rows and build time; SD's by default)."""
     import diffusers
     import torch
     import transformers
@@ -173,54 +176,41 @@ def finish(args):
     tmp = args.output_dir.rstrip("/") + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
-    for name in PIPELINE_FILES:
+    for name in files:
         source = os.path.join(args.model, name)
         (shutil.copytree if os.path.isdir(source) else shutil.copy)(source, os.path.join(tmp, name))
     add_text_model_prefix(os.path.join(tmp, "text_encoder"))  # the key names ComfyUI's CLIP loader reads
     n = min(args.per_digit, 10)
     grid = images.view(10, args.per_digit, *images.shape[1:])[:, :n].reshape(-1, *images.shape[1:])
     image_grid(to_pil(grid), ncol=n).save(os.path.join(tmp, "samples.png"))
-    files = sorted(os.path.relpath(os.path.join(root, f), tmp) for root, _, names in os.walk(tmp) for f in names
-                   if f != "samples.png")
+    listed = sorted(os.path.relpath(os.path.join(root, f), tmp) for root, _, names in os.walk(tmp) for f in names
+                    if f != "samples.png")
     with open(os.path.join(tmp, CHECKSUMS), "w") as f:
-        f.writelines(f"{file_sha256(os.path.join(tmp, name))}  {name}\n" for name in files)
+        f.writelines(f"{file_sha256(os.path.join(tmp, name))}  {name}\n" for name in listed)
     info = {}
-    for name in ("vae_metrics.json", "all_results.json"):
-        path = os.path.join(args.init if name.startswith("vae") else args.model, name)
-        if os.path.isfile(path):
+    for folder, name in ((getattr(args, "init", None), "vae_metrics.json"), (args.model, "all_results.json")):
+        path = os.path.join(folder or "", name)
+        if folder and os.path.isfile(path):
             with open(path) as f:
                 info.update(json.load(f))
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    size = sum(os.path.getsize(os.path.join(tmp, name)) for name in files)
+    size = sum(os.path.getsize(os.path.join(tmp, name)) for name in listed)
+    text = (card or sd_card)(metrics, info, args)
     lines = [
-        "# tiny-sd-digits: a tiny Stable Diffusion trained on the digits",
-        "",
-        "A `StableDiffusionPipeline` (AutoencoderKL, UNet2DConditionModel, CLIPTextModel with a byte-level "
-        "tokenizer, DDPMScheduler) that draws the digit a prompt asks for: \"a handwritten digit seven\" gives a 7, "
-        "white on black, 32 px. The base of `make train-lora`. Built offline by `make tiny-sd-base` "
-        "(see demo/tiny_sd_base.py); nothing in it was downloaded.",
-        "",
-        "![samples](samples.png)",
-        "",
+        text["title"], "", text["intro"], "", "![samples](samples.png)", "",
         f"Measured: the digit classifier (`{args.judge}`) recognises the prompted digit in "
         f"**{metrics['accuracy']:.1%}** of {10 * args.per_digit} samples ({args.per_digit} per digit, seeds "
         f"0-{10 * args.per_digit - 1}, {metrics['sampler']} sampler, {metrics['num_inference_steps']} steps, "
         f"guidance {metrics['guidance_scale']}: sample.py's defaults); per digit: {metrics['per_digit']}; "
         f"samples in the red-ink style: {metrics['style_rate']:.0%}.",
         "",
-        "| | |", "|---|---|",
-        f"| VAE | 0.7 M parameters, {info.get('vae_steps')} steps, test PSNR {info.get('vae_test_psnr_db')} dB, "
-        f"scaling factor {info.get('vae_scaling_factor')} |",
-        f"| UNet | {info.get('trainable_parameters')} parameters, trained from scratch for {info.get('global_step')} "
-        "steps (EMA weights), v-prediction, cosine schedule |",
-        "| text encoder | random-init 2-layer CLIP (frozen: only the UNet learns to read it) |",
+        "| | |", "|---|---|", *text["rows"],
         f"| built with | torch {torch.__version__}, diffusers {diffusers.__version__}, transformers "
         f"{transformers.__version__}, Python {platform.python_version()}, commit {commit or 'unknown'} |",
-        f"| build time | VAE {info.get('vae_train_time_s')} s, UNet {info.get('train_runtime')} s on "
-        f"{platform.machine()} CPU |",
-        f"| size | {size / 1e6:.1f} MB in {len(files)} files, sha256 of each in {CHECKSUMS} |",
+        f"| build time | {text['build_time']} on {platform.machine()} CPU |",
+        f"| size | {size / 1e6:.1f} MB in {len(listed)} files, sha256 of each in {CHECKSUMS} |",
         "",
-        "Rebuilt by (`make tiny-sd-base`):",
+        f"Rebuilt by (`{text['make']}`):",
         "```",
         *(" ".join(re.sub(r"\\\s*\n", " ", command).split()) for command in args.commands.split(" ;; ")),
         "```",
@@ -233,6 +223,24 @@ def finish(args):
     shutil.rmtree(args.output_dir, ignore_errors=True)
     os.replace(tmp, args.output_dir)
     print(f"wrote {args.output_dir} ({size / 1e6:.1f} MB): the prompted digit in {metrics['accuracy']:.1%} of samples")
+
+
+def sd_card(metrics, info, args):
+    """The SD base's model card: its title, introduction, table rows and build time."""
+    return {
+        "title": "# tiny-sd-digits: a tiny Stable Diffusion trained on the digits",
+        "intro": "A `StableDiffusionPipeline` (AutoencoderKL, UNet2DConditionModel, CLIPTextModel with a byte-level "
+                 "tokenizer, DDPMScheduler) that draws the digit a prompt asks for: \"a handwritten digit seven\" "
+                 "gives a 7, white on black, 32 px. The base of `make train-lora`. Built offline by `make "
+                 "tiny-sd-base` (see demo/tiny_sd_base.py); nothing in it was downloaded.",
+        "rows": [f"| VAE | 0.7 M parameters, {info.get('vae_steps')} steps, test PSNR {info.get('vae_test_psnr_db')} "
+                 f"dB, scaling factor {info.get('vae_scaling_factor')} |",
+                 f"| UNet | {info.get('trainable_parameters')} parameters, trained from scratch for "
+                 f"{info.get('global_step')} steps (EMA weights), v-prediction, cosine schedule |",
+                 "| text encoder | random-init 2-layer CLIP (frozen: only the UNet learns to read it) |"],
+        "build_time": f"VAE {info.get('vae_train_time_s')} s, UNet {info.get('train_runtime')} s",
+        "make": "make tiny-sd-base",
+    }
 
 
 def main(argv=None):
