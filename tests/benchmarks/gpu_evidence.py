@@ -3,6 +3,7 @@ writes its own result (tests/benchmarks/results/gpu-evidence/<piece>.json: the r
 device, the date) and is skipped while that file is there, so that a lease that ends early resumes where it stopped.
 
     python tests/benchmarks/gpu_evidence.py run [--pieces a1,c] [--budget_s 540] [--export_dir DIR] [--rerun]
+    python tests/benchmarks/gpu_evidence.py take DIR  # the results a device call brought back, into the results
     python tests/benchmarks/gpu_evidence.py list      # each piece: its result (date, device) or none yet
     python tests/benchmarks/gpu_evidence.py report    # the markdown of docs/performance.md's GPU evidence
     python tests/benchmarks/gpu_evidence.py pack --diffusers_repo PATH   # `make gpu-evidence-pack`
@@ -121,13 +122,44 @@ def write_json(path, data):
     os.replace(path + ".tmp", path)
 
 
+BUNDLE = "gpu-evidence-results.json"
+
+
 def save_result(cfg, pid, result, export_dir):
-    paths = [result_file(cfg, pid), os.path.join(at_root(cfg["work"]), "results", f"{pid}.json")]
-    if export_dir:
-        paths.append(os.path.join(export_dir, f"{pid}.json"))
-    for path in paths:
+    """In the results folder and the work folder; with export_dir, every result this machine has written so far in
+    one file there (a device call returns a few files only, and a later call on the same machine skips the pieces
+    an earlier one ran: so the last call's bundle holds them all)."""
+    kept = os.path.join(at_root(cfg["work"]), "results")
+    for path in (result_file(cfg, pid), os.path.join(kept, f"{pid}.json")):
         write_json(path, result)
-    return paths[0]
+    if export_dir:
+        bundle = {}
+        for path in sorted(glob.glob(os.path.join(kept, "*.json"))):
+            with open(path) as f:
+                bundle[os.path.basename(path)[:-len(".json")]] = json.load(f)
+        write_json(os.path.join(export_dir, BUNDLE), bundle)
+    return result_file(cfg, pid)
+
+
+def take(args):
+    """The results a device call brought back (its files folder, or the bundle itself) into the results folder."""
+    cfg = load_config(args.config)
+    path = os.path.join(args.source, BUNDLE) if os.path.isdir(args.source) else args.source
+    if not os.path.isfile(path):
+        raise UserError(f"{args.source}: no {BUNDLE} there (a device call's files folder, or the file itself)")
+    with open(path) as f:
+        bundle = json.load(f)
+    for pid, result in bundle.items():
+        if pid not in cfg["pieces"] or result.get("piece") != pid:
+            raise UserError(f"{path}: {pid!r} is not a piece of {rel(args.config)}")
+        there = result_file(cfg, pid)
+        if os.path.isfile(there):
+            with open(there) as f:
+                if json.load(f) == result:
+                    continue
+        write_json(there, result)
+        print(f"{pid}: {result['status']}, {result['machine']['date']}, {result['machine']['device']}: {rel(there)}")
+    return 0
 
 
 # ---- what a piece needs --------------------------------------------------------------------------------------
@@ -843,6 +875,9 @@ def peer_tag(repo, version):
 
 
 def copy_peers(repo, peers, version):
+    if not repo:
+        raise UserError("--diffusers_repo: give a clone of diffusers' repository (make gpu-evidence-pack "
+                        "DIFFUSERS_REPO=...)")
     if not os.path.isdir(repo):
         raise UserError(f"--diffusers_repo: {repo} is not a folder: give a clone of diffusers' repository "
                         "(make gpu-evidence-pack DIFFUSERS_REPO=...)")
@@ -960,13 +995,16 @@ def parse_args(argv=None):
                     "order).")
     go.add_argument("--budget_s", type=float, default=None, help="Start no piece (or model build) that would not end "
                     "within this many seconds of the start: for a device call's 10 minutes, 540.")
-    go.add_argument("--export_dir", default=None, help="Also copy each result written here (a device call's $OUT).")
+    go.add_argument("--export_dir", default=None, help=f"Also write {BUNDLE} here: every result this machine has "
+                    "written (a device call's $OUT; `take` reads it back).")
     go.add_argument("--rerun", action="store_true", help="Run the pieces again even where their result is there.")
     go.add_argument("--keep_outputs", action="store_true", help="Keep the runs' output folders (default: removed "
                     "after each piece; the logs stay in the work folder).")
     pk = commands.add_parser("pack", help="Wheels and diffusers' peer scripts for a GPU machine without the network.")
     pk.add_argument("--diffusers_repo", required=True, help="A clone of diffusers' repository (bare or not).")
     pk.add_argument("--pack_dir", default=PACK_DIR, help="Where (ignored by git).")
+    tk = commands.add_parser("take", help="Write the results a device call brought back into the results folder.")
+    tk.add_argument("source", help=f"The call's files folder (with {BUNDLE}), or that file.")
     commands.add_parser("list", help="Each piece: its result, or none yet.")
     commands.add_parser("report", help="The markdown of docs/performance.md's GPU evidence.")
     for sub in commands.choices.values():
@@ -977,7 +1015,7 @@ def parse_args(argv=None):
 
 
 def main(args):
-    code = {"run": run_pieces, "pack": pack, "list": list_pieces, "report": report}[args.what](args)
+    code = {"run": run_pieces, "pack": pack, "take": take, "list": list_pieces, "report": report}[args.what](args)
     if code:
         raise SystemExit(code)
 
