@@ -152,8 +152,8 @@ def test_pieces_run_in_order_record_their_results_and_are_skipped_once_there(dig
     report = driver("report", "--config", cfg)
     rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
             for line in report.stdout.splitlines() if line.startswith("| ")}
-    assert rows["slow"][1:4] == ["timed out", ok["machine"]["date"][:10], "cpu"]
-    assert rows["ok"][1] == "done" and rows["peer"][1:] == ["not run yet", "", "", "`make gpu-evidence PIECES=peer`"]
+    assert rows["slow"][2:5] == ["timed out", ok["machine"]["date"][:10], "cpu"]
+    assert rows["ok"][2] == "done" and rows["peer"][2:] == ["not run yet", "", "", "`make gpu-evidence PIECES=peer`"]
 
 
 def test_no_cuda_device_is_one_line(digits, tiny_sd, tmp_path):
