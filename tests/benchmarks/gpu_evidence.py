@@ -290,14 +290,18 @@ def log_tail(log, lines=40):
     return "\n".join(text[-lines:])[-6000:]
 
 
+LAUNCHER_ERRORS = ("subprocess.CalledProcessError", "torch.distributed.elastic.multiprocessing.errors.ChildFailedError")
+
+
 def last_line(log):
     """What a failed run's log says went wrong, in one line: its `error:` line, else its last exception (not the
     launcher's report that the process failed), else its last line."""
     with open(log, errors="replace") as f:
-        lines = [line.strip() for line in f.read().replace("\r", "\n").splitlines() if line.strip()]
+        lines = [re.sub(r"^\[rank\d+\]:\s*", "", line.strip())
+                 for line in f.read().replace("\r", "\n").splitlines() if line.strip()]
     errors = [line for line in lines if re.match(r"(\S+: )?error: ", line)]  # ours, argparse's
     raised = [line for line in lines if re.match(r"[A-Za-z_][\w.]*(Error|Exception|Interrupt)\b", line)
-              and not line.startswith("subprocess.CalledProcessError")]
+              and not line.startswith(LAUNCHER_ERRORS)]
     return ((errors or raised or lines or ["(no output)"])[-1])[:500]
 
 
@@ -487,6 +491,17 @@ def baseline_of(cfg, pid, records, ref):
     return (records.get(rid) or {}).get("steps_per_second")
 
 
+def check(record, key, fn, *args):
+    """record[key] = fn(*args), or {"error": ...} when it raises: what a run wrote is the evidence, a check that
+    cannot read it says so and the piece runs on. -> whether it worked."""
+    try:
+        record[key] = fn(*args)
+        return True
+    except Exception as err:
+        record[key] = {"error": f"{type(err).__name__}: {str(err)[:300]}"}
+        return False
+
+
 def run_piece(cfg, pid, device, piece_deadline, budget_deadline, flops):
     """Every run of the piece while time is left. -> the result (status done, failed or timed_out), or None when the
     call's budget (not the piece's own limit) stopped it: nothing recorded, the piece runs again next call."""
@@ -510,38 +525,37 @@ def run_piece(cfg, pid, device, piece_deadline, budget_deadline, flops):
             status = "failed"
             continue
         checkpoint = os.path.join(out, f"checkpoint-{piece.get('checkpoint_at')}")
+        ok = True
         if os.path.isdir(checkpoint):
-            record["optimizer_state_mb"] = optimizer_state_mb(checkpoint)
+            ok &= check(record, "optimizer_state_mb", optimizer_state_mb, checkpoint)
         if os.path.isfile(lora_file(out)):
-            record["wrapper_keys"] = wrapper_keys(out)[:5]
+            ok &= check(record, "wrapper_keys", lambda: wrapper_keys(out)[:5])
         if run.get("resume"):
+            if not os.path.isdir(checkpoint):
+                record["resume"] = {"error": f"no {os.path.basename(checkpoint)} to resume from"}
+                status = "failed"
+                continue
             resumed = out + "-resumed"
             shutil.rmtree(resumed, ignore_errors=True)
             shutil.copytree(checkpoint, os.path.join(resumed, os.path.basename(checkpoint)))
             again = launch_run(cfg, pid, piece, run, resumed, deadline - time.time(),
                                extra=["--resume_from_checkpoint", "latest"], tag="-resumed")
-            record["resume"] = {"command": again["command"], "returncode": again["returncode"],
-                                "wall_s": again["wall_s"], "error": again.get("error")}
+            record["resume"] = {k: again.get(k) for k in ("command", "returncode", "wall_s", "error", "log_tail")}
             if again["returncode"] is None and by_budget:
                 return None
             if again["returncode"] == 0:
-                diff = compare_loras(out, resumed)
-                record["resume"].update(max_abs_diff=diff, exact=diff == 0.0)
+                diff = {}
+                ok &= check(diff, "max_abs_diff", compare_loras, out, resumed)
+                record["resume"].update(diff, exact=diff.get("max_abs_diff") == 0.0)
             else:
                 status = "timed_out" if again["returncode"] is None else "failed"
         if run.get("engine_state"):
-            try:
-                last = os.path.join(out, f"checkpoint-{piece['steps']}")
-                record["engine"] = engine_check(out, last, run["engine_state"])
-            except Exception as err:  # what the engine wrote is the evidence: say what failed, run on
-                record["engine"] = {"error": f"{type(err).__name__}: {str(err)[:300]}"}
-                status = "failed"
+            last = os.path.join(out, f"checkpoint-{piece['steps']}")
+            ok &= check(record, "engine", engine_check, out, last, run["engine_state"])
         if run.get("load_check"):
-            try:
-                record["load"] = load_check(at_root(cfg["models"][piece["model"]]["path"]), out)
-            except Exception as err:
-                record["load"] = {"error": f"{type(err).__name__}: {str(err)[:300]}"}
-                status = "failed"
+            ok &= check(record, "load", load_check, at_root(cfg["models"][piece["model"]]["path"]), out)
+        if not ok and status == "done":
+            status = "failed"
     peak = device.type == "cuda" and gpu_lora.peak_tflops(torch_device_name(device))
     for run in piece["runs"]:
         record = records[run["id"]]
@@ -560,27 +574,33 @@ def torch_device_name(device):
 
 
 def checks_text(r):
-    notes = []
-    if r.get("error"):
-        notes.append(("stopped: out of time" if r.get("returncode") is None and "not run" not in r["error"]
-                      else r["error"])[:160])
-    if r.get("resume"):
-        res = r["resume"]
+    """The checks of one run, in a table cell."""
+    def failed(x):
+        return isinstance(x, dict) and "error" in x
+
+    notes = [r["error"][:160]] if r.get("error") else []
+    res = r.get("resume")
+    if res:
+        diff = res.get("max_abs_diff")
         notes.append(f"resume: {res['error'][:100]}" if res.get("error") else
-                     "resume: exact" if res.get("exact") else f"resume: max diff {res.get('max_abs_diff'):.2e}")
-    if r.get("optimizer_state_mb") is not None:
-        notes.append(f"optimizer state {r['optimizer_state_mb']:.1f} MiB")
-    if r.get("wrapper_keys"):
-        notes.append(f"wrapper names in keys ({r['wrapper_keys'][0]})")
-    if r.get("engine"):
-        e = r["engine"]
-        notes.append(f"engine state: {e['error']}" if "error" in e else
+                     f"resume: {diff['error'][:100]}" if failed(diff) else "resume: exact" if res.get("exact") else
+                     f"resume: max diff {diff:.2e}")
+    state = r.get("optimizer_state_mb")
+    if state is not None:
+        notes.append(f"optimizer state: {state['error'][:100]}" if failed(state) else
+                     f"optimizer state {state:.2f} MiB")
+    keys = r.get("wrapper_keys")
+    if keys:
+        notes.append(f"saved keys: {keys['error'][:100]}" if failed(keys) else f"wrapper names in keys ({keys[0]})")
+    e = r.get("engine")
+    if e:
+        notes.append(f"engine state: {e['error']}" if failed(e) else
                      f"equals the engine's state ({'/'.join(e['saved_dtypes'])})" if e["equal_in_saved_dtype"] else
                      f"differs from the engine's state (max {e['max_abs_diff_to_engine']}, missing "
                      f"{len(e['missing_in_engine_state'])})")
-    if r.get("load"):
-        load = r["load"]
-        notes.append(f"load_lora_weights: {load['error']}" if "error" in load else
+    load = r.get("load")
+    if load:
+        notes.append(f"load_lora_weights: {load['error']}" if failed(load) else
                      "load_lora_weights: every key, same values" if not load["keys_not_loaded"] and
                      load["max_abs_diff"] == 0 else f"load_lora_weights: {load}")
     return "; ".join(notes)
