@@ -28,7 +28,7 @@ LAUNCH := $(LAUNCH_ENV) $(PY) -m common.launch --config_file $(CONFIG) \
 ARGS ?=
 DIGITS := data/digits/train/metadata.jsonl
 
-.PHONY: install install-extras install-deepspeed lint data env tiny-sd-base tiny-sdxl train-text-to-image train-classifier train-ddpm sample-ddpm tiny-sd train-lora sample-lora inspect test clean
+.PHONY: install install-extras install-deepspeed lint data env tiny-sd-base tiny-sdxl tiny-sd3 tiny-flux train-text-to-image train-classifier train-ddpm sample-ddpm tiny-sd train-lora sample-lora inspect test clean
 
 install: $(VENV)/.installed
 $(VENV)/.installed: requirements.txt
@@ -82,6 +82,19 @@ TINY_SDXL := models/tiny-sdxl/model_index.json
 tiny-sdxl: $(TINY_SDXL)
 $(TINY_SDXL): | install
 	$(PY) -m demo.tiny_sd --architecture tiny-sdxl --output_dir models/tiny-sdxl
+
+# The flow-matching transformers the same way (demo/tiny_flow.py): Stable Diffusion 3 (StableDiffusion3Pipeline: two
+# CLIP encoders and T5) and Flux.1 (FluxPipeline, Flux.1-dev's guidance embedding: CLIP and T5), each with its
+# transformer, a 16-channel VAE and the flow-matching scheduler; 32 px images, about 5 MB each.
+TINY_SD3 := models/tiny-sd3/model_index.json
+tiny-sd3: $(TINY_SD3)
+$(TINY_SD3): | install
+	$(PY) -m demo.tiny_sd --architecture tiny-sd3 --output_dir models/tiny-sd3
+
+TINY_FLUX := models/tiny-flux/model_index.json
+tiny-flux: $(TINY_FLUX)
+$(TINY_FLUX): | install
+	$(PY) -m demo.tiny_sd --architecture tiny-flux --output_dir models/tiny-flux
 
 # The LoRA demo: the tiny base, the digits captions. One thread per CPU process: the models are small, and on a
 # shared CPU several threads per process spin against each other (see docs/train_lora.md).

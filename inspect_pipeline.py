@@ -22,7 +22,7 @@ A hub model (needs the network; on a GPU the trace takes seconds):
     python inspect_pipeline.py stable-diffusion-v1-5/stable-diffusion-v1-5 --trace --height 512 --width 512 \\
         --device cuda --dtype fp16 --prompt "an astronaut riding a horse" --save_trajectory x0.png
 
-Copy with: common/__init__.py, common/args.py, common/cli.py, common/diffusion.py, common/pipeline_report.py, common/pipeline_trace.py, common/pipelines.py, common/reporting.py, common/sdxl.py, common/stable_diffusion.py
+Copy with: common/__init__.py, common/args.py, common/base_models.py, common/cli.py, common/diffusion.py, common/families/__init__.py, common/lora_files.py, common/objectives.py, common/pipeline_report.py, common/pipeline_trace.py, common/pipelines.py, common/prompts.py, common/sgm_names.py, common/vae.py
 """  # noqa: E501 (the copy list stays one line, for grep)
 import json
 import os
@@ -37,11 +37,11 @@ from common.args import (
 )
 from common.cli import UserError, first_line, run
 from common.diffusion import DEFAULT_GUIDANCE_SCALE
+from common.families import check_lora_base, folder_family
+from common.lora_files import LORA_WEIGHTS, check_safetensors, lora_file_metadata, read_lora_info
 from common.pipeline_report import describe, load_lora, print_report
 from common.pipeline_trace import trace
 from common.pipelines import model_kind, read_labels
-from common.sdxl import check_lora_base, folder_kind
-from common.stable_diffusion import LORA_WEIGHTS, check_safetensors, lora_file_metadata, read_lora_info
 
 # diffusers and torch are imported in main() and the functions it calls: --help and flag errors answer at once.
 
@@ -91,7 +91,8 @@ def check_args(args):
         if not os.path.isfile(weights) or not weights.endswith(".safetensors"):
             raise UserError(f"--lora '{args.lora}' is neither a .safetensors file nor a folder with {LORA_WEIGHTS}")
         keys = check_safetensors(weights, "--lora")  # an SDXL LoRA on SD 1.5 or the reverse: before anything loads
-        check_lora_base("--lora", args.lora, lora_file_metadata(weights), keys, args.model, folder_kind(args.model))
+        check_lora_base("--lora", args.lora, lora_file_metadata(weights), keys, args.model,
+                        folder_family(args.model))
     if args.save_trajectory:
         args.trace = True
         if not args.save_trajectory.lower().endswith(".png"):

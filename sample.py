@@ -6,15 +6,18 @@ guidance, label/prompt); a grid.png sits beside them. The same command gives the
 
 A train_ddpm.py output or checkpoint (EMA weights when present):
     python sample.py --model outputs/ddpm --class_label all --num_images 4
-A train_lora.py output or checkpoint (its base model is read from its metadata), or a base with LoRAs:
+A train_lora.py output or checkpoint (its base model is read from its metadata), or a base with LoRAs; every family
+of common/families/ (SD 1.x/2.x, SDXL, SD3, Flux.1), each through its own diffusers pipeline (model_index.json):
     python sample.py --model outputs/lora --prompt "a handwritten digit seven"
     python sample.py --model stable-diffusion-v1-5/stable-diffusion-v1-5 --lora outputs/lora:0.8 --prompt "..."
-Stable Diffusion XL the same way (StableDiffusionXLPipeline, from the base's model_index.json):
     python sample.py --model models/tiny-sdxl --prompt "a handwritten digit seven" --num_images 4
     python sample.py --model stabilityai/stable-diffusion-xl-base-1.0 --lora outputs/lora-sdxl:0.8 --prompt "..." \
         --device cuda --dtype fp16
+    python sample.py --model black-forest-labs/FLUX.1-dev --lora outputs/lora-flux --prompt "..." --device cuda \
+        --dtype bf16 --height 1024 --width 1024
 
-Copy with: common/__init__.py, common/args.py, common/cli.py, common/diffusion.py, common/pipelines.py, common/reporting.py, common/sdxl.py, common/stable_diffusion.py
+A copy also needs the module of its base's family: common/families/sd.py, sdxl.py, sd3.py or flux.py.
+Copy with: common/__init__.py, common/args.py, common/base_models.py, common/cli.py, common/diffusion.py, common/families/__init__.py, common/lora_files.py, common/objectives.py, common/pipelines.py, common/prompts.py, common/sgm_names.py, common/vae.py
 """  # noqa: E501 (the copy list stays one line, for grep)
 import json
 import os
@@ -30,22 +33,25 @@ from common.args import (
     positive_int,
 )
 from common.cli import UserError, first_line, one_line, quiet_loading_bars, run
-from common.diffusion import DEFAULT_SCHEDULER, SCHEDULER_CLASSES, SD_GUIDANCE_SCALE, SD_INFERENCE_STEPS, SD_SCHEDULER
+from common.diffusion import DEFAULT_SCHEDULER, FLOW_SCHEDULER_CLASSES, SCHEDULER_CLASSES
 from common.pipelines import class_label_ids, model_kind, read_labels
 
 
 def parse_args(argv=None):
     parser = make_parser(__doc__.splitlines()[0])
     parser.add_argument("--model", required=True,
-                        help="Output/checkpoint folder of a recipe, or a pipeline (Stable Diffusion 1.x/2.x or XL).")
+                        help="Output/checkpoint folder of a recipe, or a pipeline (Stable Diffusion 1.x/2.x, XL or 3, "
+                             "Flux.1).")
     parser.add_argument("--output_dir", default=None, help="Default: <model>/samples.")
     parser.add_argument("--num_images", type=positive_int, default=8, help="Images per label or prompt.")
     parser.add_argument("--batch_size", type=positive_int, default=16)
     parser.add_argument("--seed", type=non_negative_int, default=0)
-    parser.add_argument("--scheduler", default=None, choices=sorted(SCHEDULER_CLASSES),
-                        help=f"Default: {DEFAULT_SCHEDULER} for train_ddpm.py outputs, {SD_SCHEDULER} "
-                             "(DPM-Solver++) for Stable Diffusion and SDXL; built with the noise schedule and "
-                             "prediction type the model was trained with.")
+    parser.add_argument("--scheduler", default=None,
+                        choices=sorted(set(SCHEDULER_CLASSES) | set(FLOW_SCHEDULER_CLASSES)),
+                        help=f"Default: {DEFAULT_SCHEDULER} for train_ddpm.py outputs, dpm (DPM-Solver++) for Stable "
+                             "Diffusion 1.x/2.x and XL, euler (the flow-matching Euler of their pipelines) for SD3 and "
+                             "Flux.1; built with the noise schedule and prediction type (or shift) the model was "
+                             "trained with.")
     parser.add_argument("--num_inference_steps", type=positive_int, default=None)
     parser.add_argument("--guidance_scale", type=positive_float, default=None)
     add_device_args(parser)
@@ -54,18 +60,24 @@ def parse_args(argv=None):
                         help="Class name or id (repeatable), or 'all' for a row per class.")
     parser.add_argument("--no_ema", action="store_true",
                         help="Use the raw weights of a checkpoint, not its EMA (a final output holds only one set).")
-    # Stable Diffusion 1.x/2.x and XL (train_lora.py outputs, hub pipelines)
+    # text-to-image pipelines (train_lora.py and train_text_to_image.py outputs, hub pipelines)
     parser.add_argument("--prompt", action="append", default=None, help="Repeatable.")
-    parser.add_argument("--negative_prompt", default=None)
+    parser.add_argument("--negative_prompt", default=None, help="SD 1.x/2.x, SDXL and SD3.")
     parser.add_argument("--lora", action="append", default=[],
-                        help="PATH[:SCALE], repeatable; made for the base's kind (SD 1.x/2.x or SDXL).")
+                        help="PATH[:SCALE], repeatable; made for the base's family (SD 1.x/2.x, SDXL, SD3, Flux.1).")
     parser.add_argument("--lora_scale", type=float, nargs="+", default=[1.0],
                         help="Multiplies every LoRA's scale; several values (e.g. 0 0.5 1) draw every prompt and "
                              "seed at each, a grid row per scale and prompt (0: the base alone).")
-    parser.add_argument("--guidance_rescale", type=float, default=0.0)
+    parser.add_argument("--guidance_rescale", type=float, default=None, help="SD 1.x/2.x and SDXL (default 0).")
     parser.add_argument("--clip_skip", type=non_negative_int, default=None,
-                        help="Text encoder layers to skip, as the diffusers pipelines count them (SDXL from its "
-                             "penultimate layer).")
+                        help="SD 1.x/2.x and SDXL: text encoder layers to skip, as the diffusers pipelines count them "
+                             "(SDXL from its penultimate layer).")
+    parser.add_argument("--max_sequence_length", type=positive_int, default=None,
+                        help="SD3 and Flux.1: T5's prompt length (default: the pipeline's, 256 for SD3, 512 for "
+                             "Flux.1).")
+    parser.add_argument("--drop_t5", action="store_true",
+                        help="SD3: draw without its T5 text encoder (zeros in its place); a folder without "
+                             "text_encoder_3/ needs it.")
     parser.add_argument("--height", type=positive_int, default=None)
     parser.add_argument("--width", type=positive_int, default=None)
     return parser.parse_args(argv)
@@ -94,11 +106,11 @@ def save_images(images, params, output_dir, ncol):
 def sample_ddpm(args):
     """A train_ddpm.py output or checkpoint-N: unet_ema/ (unless --no_ema) or unet/, scheduler/, labels.json."""
     if args.prompt or args.lora:
-        raise UserError(f"--prompt/--lora are for Stable Diffusion; '{args.model}' is a train_ddpm.py model "
+        raise UserError(f"--prompt/--lora are for text-to-image models; '{args.model}' is a train_ddpm.py model "
                         "(use --class_label)")
     if args.height or args.width:
-        raise UserError(f"--height/--width are for Stable Diffusion; '{args.model}' is a train_ddpm.py model, which "
-                        "samples at the size it was trained at")
+        raise UserError(f"--height/--width are for text-to-image models; '{args.model}' is a train_ddpm.py model, "
+                        "which samples at the size it was trained at")
     has_ema = os.path.isdir(os.path.join(args.model, "unet_ema"))
     if args.no_ema and not has_ema:  # a final output's unet/ holds the EMA weights when it was trained with --use_ema
         raise UserError(f"--no_ema: '{args.model}' holds one set of weights (unet/, the EMA ones when it was trained "
@@ -169,34 +181,35 @@ def sample_ddpm(args):
     return save_images(to_pil(images), params, output_dir(args), ncol)
 
 
-def sample_sd(args):
-    """A Stable Diffusion or SDXL pipeline (hub id or folder) with --lora PATH[:SCALE]..., or a train_lora.py output
-    or checkpoint-N (its base is read from its lora_info.json). Image j of every prompt starts from seed + j."""
-    from common.sdxl import check_lora_base, pipeline_kind
-    from common.stable_diffusion import (
-        LORA_WEIGHTS,
-        check_safetensors,
-        check_sd_pipeline,
-        describe_lora,
-        load_error,
-        lora_file_metadata,
-        read_lora_info,
-    )
+# sample.py's flags that only some families' pipelines take (common/families/: SAMPLE_FLAGS)
+FAMILY_FLAGS = ("negative_prompt", "guidance_rescale", "clip_skip", "max_sequence_length", "drop_t5")
+DEFAULTS = {"negative_prompt": "", "guidance_rescale": 0.0}  # the pipelines' own, written into the images' metadata
+
+
+def sample_pipeline(args):
+    """A text-to-image pipeline of a known family (hub id or folder) with --lora PATH[:SCALE]..., or a train_lora.py
+    output or checkpoint-N (its base is read from its lora_info.json). Image j of every prompt starts from seed + j."""
+    from common.base_models import check_pipeline_folder, load_error
+    from common.families import check_lora_base, family_module, family_of
+    from common.lora_files import LORA_WEIGHTS, check_safetensors, describe_lora, lora_file_metadata, read_lora_info
 
     if args.class_label or args.no_ema:
-        raise UserError(f"--class_label/--no_ema are for train_ddpm.py models; '{args.model}' is Stable Diffusion")
+        raise UserError(f"--class_label/--no_ema are for train_ddpm.py models; '{args.model}' is a text-to-image "
+                        "pipeline")
     if not args.prompt:
-        raise UserError("give at least one --prompt (repeatable) for a Stable Diffusion model")
+        raise UserError("give at least one --prompt (repeatable) for a text-to-image model")
     loras = [parse_lora(spec) for spec in args.lora]
     info = read_lora_info(args.model) if os.path.isdir(args.model) else None
     base = info["base_model"] if info else args.model
     if info:
         loras.insert(0, (args.model, 1.0))
     base_flag = f"base model of {args.model} (lora_info.json)" if info else "--model"
-    check_sd_pipeline(base, base_flag)
+    check_pipeline_folder(base, base_flag)
     base_version = {"revision": info.get("revision"), "variant": info.get("variant")} if info else {}
     uses = "sample.py draws from"
-    kind = pipeline_kind(base, base_flag, uses=uses) if os.path.isdir(base) else None  # a hub id's: below
+    family = family_module(family_of(base, base_flag, uses=uses)) if os.path.isdir(base) else None  # a hub id's: below
+    if family:
+        check_sample_flags(args, family, base, base_flag)
     local = {}  # path -> (metadata, tensor names) of each local LoRA file
     for path, _ in loras:
         if os.path.isdir(path) and not os.path.isfile(os.path.join(path, LORA_WEIGHTS)):
@@ -206,7 +219,7 @@ def sample_sd(args):
         if os.path.exists(path):  # a damaged or non-safetensors file: at once, not after the base has loaded
             keys = check_safetensors(os.path.join(path, LORA_WEIGHTS) if os.path.isdir(path) else path, "--lora")
             local[path] = lora_file_metadata(path), keys
-            check_lora_base("--lora", path, *local[path], base, kind)  # SDXL on SD 1.5 or the reverse
+            check_lora_base("--lora", path, *local[path], base, family and family.KEY)  # SDXL on SD 1.5, ...
     check_writable(output_dir(args), "--output_dir")
     for path, scale in loras:  # what each LoRA file says of its training, before the long part
         if path in local:
@@ -215,8 +228,8 @@ def sample_sd(args):
 
     import warnings
 
+    import diffusers
     import torch
-    from diffusers import AutoencoderKL, StableDiffusionPipeline, StableDiffusionXLPipeline
     from diffusers.utils import logging as diffusers_logging
     from transformers.utils import logging as transformers_logging
 
@@ -224,20 +237,22 @@ def sample_sd(args):
 
     from common.diffusion import sampling_scheduler
 
-    if kind is None:  # a hub base: its model_index.json alone, before the weights
-        kind = pipeline_kind(base, base_flag, revision=base_version.get("revision"), uses=uses)
+    if family is None:  # a hub base: its model_index.json alone, before the weights
+        family = family_module(family_of(base, base_flag, revision=base_version.get("revision"), uses=uses))
+        check_sample_flags(args, family, base, base_flag)
         for path in local:
-            check_lora_base("--lora", path, *local[path], base, kind)
-    pipeline_class = StableDiffusionXLPipeline if kind == "sdxl" else StableDiffusionPipeline
+            check_lora_base("--lora", path, *local[path], base, family.KEY)
     device, dtype = device_and_dtype(args.device, args.dtype)
+    dropped = {name: None for name in family.OPTIONAL_COMPONENTS or ()} if args.drop_t5 else {}
     try:  # the VAE in fp32 whatever --dtype says: an fp16 one decodes into black images (SDXL's above all)
-        vae = AutoencoderKL.from_pretrained(base, subfolder="vae", dtype=torch.float32, **base_version)
-        pipe = pipeline_class.from_pretrained(base, vae=vae, dtype=dtype, **base_version)
+        vae = diffusers.AutoencoderKL.from_pretrained(base, subfolder="vae", dtype=torch.float32, **base_version)
+        pipe = getattr(diffusers, family.PIPELINE).from_pretrained(base, vae=vae, dtype=dtype, **dropped,
+                                                                   **base_version)
     except (OSError, ValueError) as err:
         raise load_error("--model", base, err) from None
     if info and info.get("prediction_type"):  # the LoRA was trained to predict something else than its base
         pipe.scheduler.register_to_config(prediction_type=info["prediction_type"])
-    pipe.scheduler = sampling_scheduler(args.scheduler or SD_SCHEDULER, pipe.scheduler.config)
+    pipe.scheduler = sampling_scheduler(args.scheduler or family.SAMPLER, pipe.scheduler.config, family.SAMPLERS)
     names = [f"lora{i}" for i in range(len(loras))]
     verbosity = diffusers_logging.get_verbosity(), transformers_logging.get_verbosity()
     diffusers_logging.set_verbosity(diffusers_logging.CRITICAL)  # it logs the error below in full as well
@@ -262,52 +277,73 @@ def sample_sd(args):
     pipe.to(device)
     pipe.set_progress_bar_config(disable=True)
 
-    steps = args.num_inference_steps or SD_INFERENCE_STEPS
-    guidance = args.guidance_scale if args.guidance_scale is not None else SD_GUIDANCE_SCALE
+    steps = args.num_inference_steps or family.SAMPLE_STEPS
+    guidance = args.guidance_scale if args.guidance_scale is not None else family.SAMPLE_GUIDANCE
+    if info and info.get("max_sequence_length") and args.max_sequence_length is None:  # T5's length as trained
+        args.max_sequence_length = info["max_sequence_length"]
+    extra = {flag: getattr(args, flag) for flag in family.SAMPLE_FLAGS if flag != "drop_t5"}
     common = {"model": args.model, "base_model": base, "lora": ",".join(f"{p}:{s:g}" for p, s in loras),
-              "scheduler": args.scheduler or SD_SCHEDULER, "num_inference_steps": steps,
-              "guidance_scale": guidance, "guidance_rescale": args.guidance_rescale, "clip_skip": args.clip_skip,
-              "negative_prompt": args.negative_prompt or ""}
+              "scheduler": args.scheduler or family.SAMPLER, "num_inference_steps": steps,
+              "guidance_scale": guidance, **{k: DEFAULTS.get(k) if v is None else v for k, v in extra.items()}}
     images, params = [], []
     for lora_scale in args.lora_scale if names else [1.0]:
         if names:
             pipe.set_adapters(names, adapter_weights=[lora_scale * scale for _, scale in loras])
         scale = {"lora_scale": lora_scale} if names else {}
-        images, params = draw_sd(pipe, args, images, params, {**common, **scale}, steps, guidance)
+        images, params = draw(pipe, family, args, images, params, {**common, **scale}, steps, guidance, extra)
     return save_images(images, params, output_dir(args), args.num_images)
 
 
-def draw_sd(pipe, args, images, params, common, steps, guidance):
+def check_sample_flags(args, family, base, flag):
+    """One line for a flag that the family's pipeline does not take, and for SD3 without its T5 unasked."""
+    for name in FAMILY_FLAGS:
+        if getattr(args, name) not in (None, False) and name not in family.SAMPLE_FLAGS:
+            raise UserError(f"--{name} means nothing for a {family.NAME} base ({base}): leave it out")
+    if args.scheduler and args.scheduler not in family.SAMPLERS:
+        raise UserError(f"--scheduler {args.scheduler}: {family.NAME} bases sample with "
+                        f"{', '.join(sorted(family.SAMPLERS))}")
+    missing = [p for p in family.OPTIONAL_COMPONENTS or () if os.path.isdir(base)
+               and not os.path.isdir(os.path.join(base, p))]
+    if missing and not args.drop_t5:
+        raise UserError(f"{flag} '{base}' has no {', '.join(missing)} (its T5 text encoder): give --drop_t5 to draw "
+                        "without T5, or a complete pipeline folder")
+
+
+def draw(pipe, family, args, images, params, common, steps, guidance, extra):
     """Every prompt x --num_images seeds, in batches; appends to images and params."""
     import torch
 
-    from common.stable_diffusion import decode_fp32
+    from common.vae import decode_fp32
 
-    factor = pipe.vae_scale_factor  # the pipeline would round another size down without a word
-    for flag, value in (("--height", args.height), ("--width", args.width)):
-        if value and value % factor:
+    configs = {"vae": pipe.vae.config, family.DENOISER: getattr(pipe, family.DENOISER).config}
+    factor = family.resolution_factor(configs)  # the pipeline would refuse, or change, another size
+    default_height, default_width = family.sample_size(pipe)
+    height, width = args.height or default_height, args.width or default_width
+    for flag, value in (("--height", height), ("--width", width)):
+        if value % factor:
             near = sorted({max(factor, value // factor * factor), (value // factor + 1) * factor})
-            raise UserError(f"{flag} {value} is not divisible by {factor}, the VAE's downsampling factor; use "
+            raise UserError(f"{flag} {value} is not divisible by {factor}, {family.RESOLUTION_FACTOR}; use "
                             f"{' or '.join(map(str, near))}")
     if args.clip_skip:  # SD takes hidden state -(clip_skip + 1) of its encoder, SDXL -(clip_skip + 2) of both
-        encoders = [e for e in (pipe.text_encoder, getattr(pipe, "text_encoder_2", None)) if e is not None]
+        encoders = [getattr(pipe, name) for name in family.TEXT_ENCODERS]
         layers = min(e.config.num_hidden_layers for e in encoders)
         most = layers - 1 if len(encoders) == 2 else layers
         if args.clip_skip > most:
             raise UserError(f"--clip_skip {args.clip_skip}: the text encoder of this base has {layers} layers; give "
                             f"at most {most}")
+    kwargs = {k: v for k, v in extra.items() if v is not None and k != "negative_prompt"}
     jobs = [(prompt, j) for prompt in args.prompt for j in range(args.num_images)]
     first = len(images)
     for start in range(0, len(jobs), args.batch_size):
         batch = jobs[start:start + args.batch_size]
+        if args.negative_prompt:
+            kwargs["negative_prompt"] = [args.negative_prompt] * len(batch)
         with torch.no_grad():
             latents = pipe(
-                [prompt for prompt, _ in batch], negative_prompt=[args.negative_prompt] * len(batch)
-                if args.negative_prompt else None, height=args.height, width=args.width, num_inference_steps=steps,
-                guidance_scale=guidance, guidance_rescale=args.guidance_rescale, clip_skip=args.clip_skip,
-                generator=[torch.Generator().manual_seed(args.seed + j) for _, j in batch],
-                output_type="latent").images
-        images += decode_fp32(pipe, latents)
+                [prompt for prompt, _ in batch], height=height, width=width, num_inference_steps=steps,
+                guidance_scale=guidance, generator=[torch.Generator().manual_seed(args.seed + j) for _, j in batch],
+                output_type="latent", **kwargs).images
+        images += decode_fp32(pipe, family.unpack_latents(pipe, latents, height, width))
         params += [{**common, "prompt": prompt, "seed": args.seed + j, "index": j, "height": image.height,
                     "width": image.width} for (prompt, j), image in zip(batch, images[first + start:])]
     return images, params
@@ -335,7 +371,7 @@ def parse_lora(spec):
 
 def main(args):
     kind = model_kind(args.model, "--model")
-    paths = sample_ddpm(args) if kind in ("ddpm", "checkpoint") else sample_sd(args)
+    paths = sample_ddpm(args) if kind in ("ddpm", "checkpoint") else sample_pipeline(args)
     print(f"wrote {len(paths)} images and grid.png to {os.path.dirname(paths[0])}")
 
 

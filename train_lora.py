@@ -1,14 +1,22 @@
 #!/usr/bin/env python
-"""Fine-tune Stable Diffusion (1.x/2.x or XL) with LoRA (peft) on captioned images, the accelerate way.
+"""Fine-tune a text-to-image diffusion model with LoRA (peft) on captioned images, the accelerate way.
 
-The UNet frozen, LoRA adapters (LoraConfig, init_lora_weights="gaussian") on its attention projections, trained on
-the denoising loss; optionally the CLIP text encoder(s) too. The base's model_index.json says which pipeline it is:
-an SDXL base is conditioned on both its text encoders, the pooled embedding and each image's size "time ids"
-(original size, crop, target size; right with --buckets too). Frozen weights in fp16/bf16, LoRA weights in fp32; latents
-(--cache_latents) and text embeddings computed once; min-SNR weighting, noise offset, caption dropout, an EMA of
-the LoRA weights (--use_ema: what gets exported), validation images, resumable checkpoints that hold only the LoRA.
-Writes pytorch_lora_weights.safetensors (`pipe.load_lora_weights(output_dir)`), optionally the kohya/A1111/ComfyUI
-format, a model card, and lora_info.json, from which sample.py finds the base model.
+Stable Diffusion 1.x/2.x and XL (a UNet on DDPM noise), Stable Diffusion 3 and Flux.1 (transformers trained by flow
+matching): the base's model_index.json says which family it is, and the family's module (common/families/) says how
+it loads, embeds prompts (SDXL: both CLIP encoders, pooled embedding, each image's size "time ids"; SD3: two CLIPs and
+T5; Flux.1: CLIP's pooled embedding, T5, packed latents, the guidance input) and calls its denoiser. The denoiser
+frozen, LoRA adapters (LoraConfig, init_lora_weights="gaussian") on its attention projections, trained on the
+family's objective (common/objectives.py); optionally LoRA on the CLIP text encoder(s) too. Frozen weights in
+fp16/bf16, LoRA weights in fp32; latents (--cache_latents) and every prompt's embeddings computed once, then the text
+encoders leave the accelerator; caption dropout, an EMA of the LoRA weights (--use_ema: what gets exported),
+validation images, a held-out loss, resumable checkpoints that hold only the LoRA. Writes
+pytorch_lora_weights.safetensors (`pipe.load_lora_weights(output_dir)`), optionally the kohya/A1111/ComfyUI format,
+a model card, and lora_info.json, from which sample.py finds the base model.
+
+Flags of one family's objective mean nothing for another's and are refused: --prediction_type, --snr_gamma and
+--noise_offset (DDPM: SD 1.x/2.x, SDXL); --weighting_scheme, --logit_mean, --logit_std, --mode_scale and
+--precondition_outputs (flow matching: SD3, Flux.1); --max_sequence_length (T5), --guidance_scale (Flux.1) and
+--drop_t5 (SD3) likewise.
 
 Defaults suit a real base: --resolution is the base's native size (its VAE's sample_size, 512 for SD 1.5),
 --learning_rate 1e-4, --train_batch_size 16, as in diffusers' LoRA example.
@@ -32,13 +40,18 @@ SDXL (1024 px; the VAE always runs in fp32, so SDXL's fp16 VAE overflow cannot b
         --pretrained_model_name_or_path stabilityai/stable-diffusion-xl-base-1.0 <the same data flags> \
         --train_batch_size 1 --gradient_accumulation_steps 4 --mixed_precision bf16 --cache_latents \
         --gradient_checkpointing --output_dir outputs/lora-sdxl
+Flux.1-dev (bf16 base, gradient checkpointing; --quantize_base nf4 for the QLoRA recipe on a smaller GPU):
+    accelerate launch --config_file accelerate_configs/single_gpu.yaml train_lora.py \
+        --pretrained_model_name_or_path black-forest-labs/FLUX.1-dev <the same data flags> --resolution 1024 \
+        --train_batch_size 1 --gradient_accumulation_steps 4 --mixed_precision bf16 --cache_latents \
+        --gradient_checkpointing --rank 16 --learning_rate 1e-4 --output_dir outputs/lora-flux
 Then:  python sample.py --model outputs/lora-naruto --prompt "a girl with pink hair"
 
-Copy with: common/__init__.py, common/args.py, common/buckets.py, common/caption_files.py, common/checkpoints.py, common/cli.py, common/diffusion.py, common/distributed.py, common/fsdp.py, common/image_data.py, common/lora_metadata.py, common/optimizers.py, common/preemption.py, common/reporting.py, common/sdxl.py, common/stable_diffusion.py, common/training.py, common/validation_loss.py
+A copy also needs the module of its base's family: common/families/sd.py, sdxl.py, sd3.py or flux.py.
+Copy with: common/__init__.py, common/args.py, common/base_models.py, common/buckets.py, common/caption_files.py, common/checkpoints.py, common/cli.py, common/diffusion.py, common/distributed.py, common/families/__init__.py, common/fsdp.py, common/image_data.py, common/lora_files.py, common/lora_metadata.py, common/objectives.py, common/optimizers.py, common/preemption.py, common/prompts.py, common/reporting.py, common/sgm_names.py, common/training.py, common/vae.py, common/validation_images.py, common/validation_loss.py
 """  # noqa: E501 (the copy list stays one line, for grep)
 import math
 import os
-import random
 import time
 
 from common.args import (
@@ -56,35 +69,17 @@ from common.args import (
     positive_int,
     probability,
 )
+from common.base_models import SHIPPED_BASE, add_base_model_args, check_base_args, size_factor
 from common.buckets import check_bucket_resolution
 from common.caption_files import caption_folder_reader, check_caption_args
 from common.checkpoints import read_checkpoint_info, resolve_resume
 from common.cli import UserError, first_line, quiet_loading_bars, run
-from common.diffusion import SCHEDULER_CLASSES, SD_SCHEDULER, diffusion_loss, diffusion_target
-from common.lora_metadata import base_model_metadata, lora_card, lora_metadata
+from common.lora_files import LORA_EMA_STATE
+from common.objectives import add_objective_args
 from common.optimizers import OPTIMIZERS, add_optimizer_args, check_optimizer_args
-from common.sdxl import TEXT_ENCODERS, embed_prompts, pipeline_kind, text_encoder_targets
-from common.stable_diffusion import (
-    LORA_EMA_STATE,
-    SHIPPED_BASE,
-    base_resolution,
-    check_local_resolution,
-    check_sd_pipeline,
-    load_error,
-    load_lora_ema,
-    load_lora_state,
-    lora_dtypes,
-    offload_idle_models,
-    save_lora_ema,
-    save_lora_state,
-    save_lora_weights,
-    size_factor,
-    validation_images,
-)
 from common.training import add_ema_args, check_resumed_ema, ema_weights
+from common.validation_images import add_validation_image_args
 
-UNET_TARGETS = "to_k,to_q,to_v,to_out.0"
-TEXT_ENCODER_TARGETS = ["q_proj", "k_proj", "v_proj", "out_proj"]
 SAME_LORA = ("rank", "lora_alpha", "target_modules", "use_dora", "train_text_encoder")  # needed to resume
 
 
@@ -99,26 +94,25 @@ def parse_args(argv=None):
     add_latent_cache_args(g)
     add_bucket_args(g)
     g = parser.add_argument_group("model")
-    g.add_argument("--pretrained_model_name_or_path", default=SHIPPED_BASE,
-                   help="A StableDiffusionPipeline or StableDiffusionXLPipeline: hub id or folder (default: the "
-                        "shipped tiny digits base).")
-    g.add_argument("--revision", default=None, help="Hub revision of the base model.")
-    g.add_argument("--variant", default=None, help="Weights variant of the base model, e.g. fp16.")
-    g.add_argument("--prediction_type", default=None, choices=["epsilon", "v_prediction", "sample"],
-                   help="Training target; default: the base scheduler's.")
-    g.add_argument("--snr_gamma", type=positive_float, default=None, help="Min-SNR loss weighting (5.0 is usual).")
-    g.add_argument("--noise_offset", type=float, default=0.0, help="Offset noise scale (0.05-0.1 is usual).")
-    g.add_argument("--gradient_checkpointing", action="store_true",
-                   help="Less memory, slower steps (the backward recomputes the forward).")
+    add_base_model_args(g, SHIPPED_BASE, "A StableDiffusionPipeline, StableDiffusionXLPipeline, "
+                                         "StableDiffusion3Pipeline or FluxPipeline: hub id or folder (default: the "
+                                         "shipped tiny digits base).")
+    g.add_argument("--quantize_base", default=None, choices=["nf4"],
+                   help="QLoRA: the frozen denoiser in 4-bit NF4 (bitsandbytes through diffusers' BitsAndBytesConfig; "
+                        "CUDA only, `make install-extras`).")
+    add_objective_args(g)
     g = parser.add_argument_group("LoRA")
     g.add_argument("--rank", type=positive_int, default=8, help="LoRA rank r.")
     g.add_argument("--lora_alpha", type=positive_float, default=None, help="LoRA scale alpha/r; default alpha = r.")
     g.add_argument("--lora_dropout", type=probability, default=0.0)
-    g.add_argument("--target_modules", type=comma_list, default=comma_list(UNET_TARGETS),
-                   help=f"UNet modules that get LoRA (names or name suffixes), default {UNET_TARGETS}.")
+    g.add_argument("--target_modules", type=comma_list, default=None,
+                   help="Denoiser modules that get LoRA (names or name suffixes); default: the family's attention "
+                        "projections (SD: to_k,to_q,to_v,to_out.0; SD3 and Flux.1 also the text stream's add_*_proj "
+                        "and to_add_out).")
     g.add_argument("--use_dora", action="store_true", help="DoRA: weight-decomposed LoRA.")
     g.add_argument("--train_text_encoder", action="store_true",
-                   help="Also LoRA on the CLIP text encoder's attention projections (SDXL: both encoders').")
+                   help="Also LoRA on the CLIP text encoders' attention projections (SDXL and SD3: both CLIPs; "
+                        "Flux.1: its CLIP; never T5).")
     g.add_argument("--text_encoder_lr", type=positive_float, default=None, help="Default: --learning_rate.")
     g.add_argument("--export_kohya", action="store_true",
                    help="Also write pytorch_lora_weights_kohya.safetensors (A1111/ComfyUI key names).")
@@ -127,15 +121,7 @@ def parse_args(argv=None):
     g.add_argument("--offload_ema", action="store_true",
                    help="Keep the EMA on the CPU, moving it to the device only for its update (same results, less "
                         "device memory).")
-    g = parser.add_argument_group("validation")
-    g.add_argument("--validation_prompt", action="append", default=[], help="Repeatable.")
-    g.add_argument("--num_validation_images", type=positive_int, default=2, help="Images per prompt.")
-    g.add_argument("--validation_steps", type=positive_int, default=100,
-                   help="Every N optimizer steps, and at the end.")
-    g.add_argument("--validation_scheduler", default=SD_SCHEDULER, choices=sorted(SCHEDULER_CLASSES),
-                   help="Sampler of the validation images (sample.py's default too).")
-    g.add_argument("--validation_inference_steps", type=positive_int, default=20)
-    g.add_argument("--validation_guidance_scale", type=float, default=7.5)
+    add_validation_image_args(parser.add_argument_group("validation"), validation_steps=100)
     add_training_args(parser, output_dir="outputs/lora", learning_rate=1e-4, train_batch_size=16, num_train_epochs=5,
                       lr_scheduler="constant", lr_warmup_steps=0)
     add_optimizer_args(parser)
@@ -145,24 +131,24 @@ def parse_args(argv=None):
     check_caption_args(args)
     check_common_args(args)
     check_optimizer_args(args)
-    check_sd_pipeline(args.pretrained_model_name_or_path, "--pretrained_model_name_or_path")
-    if os.path.isdir(args.pretrained_model_name_or_path):  # a hub base's class: once its model_index.json is fetched
-        pipeline_kind(args.pretrained_model_name_or_path, "--pretrained_model_name_or_path")
-    args.resolution = check_local_resolution(args.pretrained_model_name_or_path, args.resolution)
+    family = check_base_args(args, "train_lora.py trains")  # None for a hub base: checked once it is fetched
     args.lora_alpha = args.lora_alpha or args.rank
     check_bucket_args(args)
-    if args.buckets == "auto" and os.path.isdir(args.pretrained_model_name_or_path):  # a hub base: once loaded
-        check_bucket_resolution(args.resolution, size_factor(args.pretrained_model_name_or_path))
+    if args.buckets == "auto" and family:  # a hub base: once loaded
+        check_bucket_resolution(args.resolution, size_factor(args.pretrained_model_name_or_path, family))
+    if family:
+        check_lora_family_args(args, family)
     if args.export_kohya and args.use_dora:
         parser.error("--export_kohya: the kohya format has no DoRA weights; drop --use_dora or --export_kohya")
-    if not args.target_modules:
+    if args.target_modules == []:
         parser.error("--target_modules: give at least one module name")
     if args.offload_ema and not args.use_ema:
         parser.error("--offload_ema: there is no EMA to offload without --use_ema")
     resume_path = resolve_resume(args.resume_from_checkpoint, args.output_dir)
     if resume_path:  # a checkpoint of another LoRA shape would fail (or worse, half-load) deep inside load_state
         saved, now = read_checkpoint_info(resume_path), lora_info(args)
-        diffs = [f"{key}={saved[key]} (now {now[key]})" for key in SAME_LORA if key in saved and saved[key] != now[key]]
+        diffs = [f"{key}={saved[key]} (now {now[key]})" for key in SAME_LORA
+                 if key in saved and now[key] is not None and saved[key] != now[key]]
         if diffs:
             raise UserError(f"--resume_from_checkpoint: {resume_path} holds a LoRA with {', '.join(diffs)}; "
                             "resume with the same LoRA settings or train into a new --output_dir")
@@ -205,27 +191,29 @@ def main(args):
     if args.allow_tf32:
         torch.backends.cuda.matmul.allow_tf32 = True
     # <domain: weight dtypes>
+    from common.base_models import lora_dtypes
+
     # Read the accelerator's precision, not the flag: an accelerate yaml may ask for fp16 too.
     weight_dtype, lora_dtype = lora_dtypes(accelerator.mixed_precision)
     # </domain>
 
     # 2. Data: images decoded once; each image's captions as indices into the distinct prompts ("" for dropout).
     # <domain: data>
+    from common.base_models import base_resolution, check_family_args
     from common.buckets import batching, bucket_images, validation_sizes
-    from common.image_data import (
-        CachedLatents,
-        ImageDataset,
-        caption_lists,
-        collate_batch,
-        image_sizes,
-        require_columns,
-    )
+    from common.families import load_family, read_model_index
+    from common.image_data import CachedLatents, Captions, ImageDataset, collate_batch, image_sizes, require_columns
+    from common.validation_images import check_validation_image_args
     from common.validation_loss import HeldOutLoss, load_with_validation
 
-    # The training size: the base's native one (its VAE's sample_size) unless given. Far below it, what the LoRA
-    # learns shows little in images at the size the base samples at.
-    args.resolution, native = base_resolution(args.pretrained_model_name_or_path, args.resolution, args.revision,
-                                              args.cache_dir)
+    path, flag = args.pretrained_model_name_or_path, "--pretrained_model_name_or_path"
+    family = load_family(path, flag, args.revision, args.cache_dir)  # which pipeline: its model_index.json
+    check_family_args(args, family)  # (a hub base's: now that its family is known)
+    check_lora_family_args(args, family)
+    check_validation_image_args(args, family)
+    # The training size: the base's native one unless given. Far below it, what the LoRA learns shows little in
+    # images at the size the base samples at.
+    args.resolution, native = base_resolution(path, args.resolution, family, args.revision, args.cache_dir)
     if native and args.resolution * 2 < native:
         logger.warning(f"--resolution {args.resolution} is less than half the base's native {native} px: what the "
                        f"LoRA learns will show little at the base's own size (leave --resolution out to train at "
@@ -233,31 +221,17 @@ def main(args):
     # held out: --validation_split's images, for val/loss; a folder without metadata: .txt captions
     train_ds, held_out_ds = load_with_validation(args, read_folder=caption_folder_reader(args))
     require_columns(train_ds, image_column=args.image_column, caption_column=args.caption_column)
-    captions = caption_lists(train_ds[args.caption_column], args.caption_column, prefix=args.caption_prefix)
-    held_out_captions = (caption_lists(held_out_ds[args.caption_column], args.caption_column,
-                                       prefix=args.caption_prefix) if held_out_ds else [])
-    prompts = sorted({c for options in captions + held_out_captions for c in options} | {""})
-    prompt_id = {p: i for i, p in enumerate(prompts)}
-    caption_ids = [[prompt_id[c] for c in options] for options in captions]
+    # each image's captions as indices into the distinct prompts; the validation prompts are embedded with them
+    captions = Captions(args, train_ds, held_out_ds, extra=args.validation_prompt)
 
-    def pick_prompts(indices, epoch):
-        """One caption per image, or "" with --caption_dropout_prob: a function of (seed, epoch, index)."""
-        picked = []
-        for index in indices.tolist():
-            rng = random.Random(hash((args.seed, epoch, index)))
-            picked.append(prompt_id[""] if rng.random() < args.caption_dropout_prob else rng.choice(caption_ids[index]))
-        return torch.tensor(picked)
-
-    kind = pipeline_kind(args.pretrained_model_name_or_path, "--pretrained_model_name_or_path", args.revision,
-                         args.cache_dir)  # "sd" (1.x/2.x) or "sdxl"
-    originals = held_out_originals = None  # SDXL: every image's original (height, width), for its time ids
-    if kind == "sdxl":
+    originals = held_out_originals = None  # every image's original (height, width), for SDXL's time ids
+    if family.TIME_IDS:
         originals = image_sizes(train_ds, args.image_column)[0]
         held_out_originals = image_sizes(held_out_ds, args.image_column)[0] if held_out_ds else None
     sizes = held_out_sizes = None  # --buckets auto: each image's (height, width)
     if args.buckets == "auto":
         sizes, held_out_sizes, table = bucket_images(args, train_ds, held_out_ds, size_factor(
-            args.pretrained_model_name_or_path, args.revision, args.cache_dir))
+            path, family, args.revision, args.cache_dir))
         logger.info(f"aspect-ratio buckets at {args.resolution} px:\n{table}")
     with accelerator.main_process_first():
         train_data = ImageDataset(train_ds, args.image_column, args.resolution, center_crop=args.center_crop,
@@ -270,49 +244,54 @@ def main(args):
 
     # 3. Model: the base frozen in the weight dtype (the VAE in fp32: fp16 decodes overflow), LoRA adapters in fp32.
     # <domain: model>
-    from diffusers import AutoencoderKL, DDPMScheduler, UNet2DConditionModel
-    from diffusers.models.attention_processor import AttnProcessor2_0
-    from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
     from diffusers.training_utils import EMAModel, cast_training_params
     from peft import LoraConfig
-    from transformers import CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
 
+    from common.base_models import load_parts, offload_idle_models
     from common.fsdp import uniform_dtype
+    from common.objectives import make_objective
+    from common.prompts import Conditioning
+    from common.vae import encode_params, sample_latents
 
     quiet_loading_bars()
-    path, load = args.pretrained_model_name_or_path, {"revision": args.revision, "cache_dir": args.cache_dir}
-    try:  # SDXL: a second tokenizer and text encoder (with the projection whose output is the pooled embedding)
-        noise_scheduler = DDPMScheduler.from_pretrained(path, subfolder="scheduler", **load)
-        tokenizers = {name.replace("text_encoder", "tokenizer"): CLIPTokenizer.from_pretrained(
-            path, subfolder=name.replace("text_encoder", "tokenizer"), **load) for name in TEXT_ENCODERS[kind]}
-        text_encoders = {name: (CLIPTextModel if name == "text_encoder" else CLIPTextModelWithProjection)
-                         .from_pretrained(path, subfolder=name, variant=args.variant, dtype=weight_dtype, **load)
-                         for name in TEXT_ENCODERS[kind]}
-        vae = AutoencoderKL.from_pretrained(path, subfolder="vae", variant=args.variant, dtype=torch.float32,
-                                            **load)
-        unet = UNet2DConditionModel.from_pretrained(path, subfolder="unet", variant=args.variant,
-                                                    dtype=weight_dtype, **load)
-    except (OSError, ValueError) as err:
-        raise load_error("--pretrained_model_name_or_path", path, err) from None
+    quantization = None
+    if args.quantize_base:  # diffusers' QLoRA recipe: the frozen denoiser in NF4, computing in the weight dtype
+        from diffusers import BitsAndBytesConfig
+
+        if accelerator.device.type != "cuda":
+            raise UserError("--quantize_base nf4 runs on CUDA GPUs only (bitsandbytes): leave it out on this machine")
+        quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                          bnb_4bit_compute_dtype=weight_dtype)
+    parts = load_parts(family, path, dtype=weight_dtype, revision=args.revision, variant=args.variant,
+                       cache_dir=args.cache_dir, skip=family.OPTIONAL_COMPONENTS if args.drop_t5 else (),
+                       quantization_config=quantization)
+    noise_scheduler, vae, denoiser = parts["scheduler"], parts["vae"], parts[family.DENOISER]
     if args.prediction_type:
         noise_scheduler.register_to_config(prediction_type=args.prediction_type)
-    for model in (unet, vae, *text_encoders.values()):
+    objective = make_objective(family, noise_scheduler, args)  # what the denoiser learns (common/objectives.py)
+    text_encoders = {name: parts[name] for name in family.TEXT_ENCODERS if parts[name] is not None}
+    for model in (vae, *text_encoders.values()):
         model.requires_grad_(False).to(accelerator.device)
-    unet.set_attn_processor(AttnProcessor2_0())  # PyTorch SDPA (flash / memory-efficient kernels where available)
-    check_target_modules(unet, args.target_modules, "--target_modules", "UNet")
+    denoiser.requires_grad_(False)
+    if quantization is None:  # (a quantized model is placed on the GPU as it loads)
+        denoiser.to(accelerator.device)
+    # a guidance-distilled base (Flux.1-dev) takes the guidance as an input; --guidance_scale sets it
+    guidance = args.guidance_scale if denoiser.config.get("guidance_embeds") else None
+    check_target_modules(denoiser, args.target_modules, "--target_modules", {"unet": "UNet"}.get(family.DENOISER,
+                                                                                              family.DENOISER))
     try:
-        unet.add_adapter(LoraConfig(r=args.rank, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
-                                    init_lora_weights="gaussian", target_modules=args.target_modules,
-                                    use_dora=args.use_dora))
+        denoiser.add_adapter(LoraConfig(r=args.rank, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
+                                        init_lora_weights="gaussian", target_modules=args.target_modules,
+                                        use_dora=args.use_dora))
     except ValueError as err:  # e.g. a target that is not a Linear/Conv layer
         raise UserError(f"--target_modules: {first_line(err)}") from None
-    trained = {"unet": unet}  # what trains, by checkpoint subfolder
-    for name, text_encoder in text_encoders.items() if args.train_text_encoder else ():
-        targets = text_encoder_targets(name, text_encoder, kind, TEXT_ENCODER_TARGETS)  # SDXL: not all layers
-        text_encoder.add_adapter(LoraConfig(r=args.rank, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
-                                            init_lora_weights="gaussian", target_modules=targets,
-                                            use_dora=args.use_dora))
-        trained[name] = text_encoder
+    trained = {family.DENOISER: denoiser}  # what trains, by checkpoint subfolder
+    for name in family.LORA_TEXT_ENCODERS if args.train_text_encoder else ():
+        targets = family.text_encoder_targets(name, text_encoders[name], family.TEXT_LORA_TARGETS)
+        text_encoders[name].add_adapter(LoraConfig(r=args.rank, lora_alpha=args.lora_alpha,
+                                                   lora_dropout=args.lora_dropout, init_lora_weights="gaussian",
+                                                   target_modules=targets, use_dora=args.use_dora))
+        trained[name] = text_encoders[name]
     cast_training_params(list(trained.values()), dtype=lora_dtype)
     uniform_dtype(accelerator, trained.values(), lora_dtype)  # (FSDP: the frozen weights too)
     trainable = {f"{name}.{n}": p for name, m in trained.items() for n, p in m.named_parameters() if p.requires_grad}
@@ -324,59 +303,36 @@ def main(args):
                        power=args.ema_power, foreach=True)
         ema.to("cpu" if args.offload_ema else accelerator.device, torch.float32)
     if args.gradient_checkpointing:
-        unet.enable_gradient_checkpointing()
-        for text_encoder in text_encoders.values() if args.train_text_encoder else ():
-            text_encoder.gradient_checkpointing_enable()
+        denoiser.enable_gradient_checkpointing()
+        for name in trained if args.train_text_encoder else ():
+            if name != family.DENOISER:
+                trained[name].gradient_checkpointing_enable()
 
-    # Speed: what is frozen is computed once. Text: every distinct prompt embedded once (kept on the CPU).
-    input_ids = [tokenizer(prompts, padding="max_length", max_length=tokenizer.model_max_length, truncation=True,
-                           return_tensors="pt").input_ids for tokenizer in tokenizers.values()]
-    prompt_embeds = pooled_embeds = None
-    if not args.train_text_encoder:
-        with torch.no_grad():
-            chunks = [embed_prompts(list(text_encoders.values()), [ids[i:i + 64].to(accelerator.device)
-                                                                    for ids in input_ids])
-                      for i in range(0, len(prompts), 64)]
-        prompt_embeds = torch.cat([hidden.cpu() for hidden, _ in chunks])
-        pooled_embeds = torch.cat([pooled.cpu() for _, pooled in chunks]) if kind == "sdxl" else None
+    # Speed: what is frozen is computed once. Text: every distinct prompt embedded once (kept on the CPU), unless the
+    # text encoders train; the pipeline samples the unconditional branch of some families (SDXL) with zeros, and
+    # caption dropout trains on them.
+    condition = Conditioning(family, parts, captions.prompts, args.max_sequence_length, accelerator.device,
+                             family.empty_prompt_zeros(read_model_index(path, flag, args.revision, args.cache_dir)),
+                             cache=not args.train_text_encoder)
 
-    def encode(pixel_values):  # -> parameters (mean, log-variance) of the VAE's latent distribution
-        with torch.no_grad(), accelerator.autocast():
-            return vae.encode(pixel_values.to(accelerator.device, torch.float32)).latent_dist.parameters
+    def encode(pixel_values):  # -> parameters (mean, log-variance) of the VAE's latent distribution, in fp32
+        return encode_params(vae, pixel_values)
 
-    def sample_latents(params):  # drawn afresh each step; contiguous, or randn_like draws differ for channels-last
-        latents = DiagonalGaussianDistribution(params.float().contiguous()).sample()
-        return (latents - (vae.config.shift_factor or 0.0)) * vae.config.scaling_factor
-
-    def condition(prompt_ids, image_ids, data):  # -> the UNet's encoder hidden states, SDXL's added conditioning
-        if prompt_embeds is not None:
-            hidden = prompt_embeds[prompt_ids].to(accelerator.device)
-            pooled = None if pooled_embeds is None else pooled_embeds[prompt_ids].to(accelerator.device)
-        else:  # the text encoders train (after prepare: the prepared ones)
-            hidden, pooled = embed_prompts(list(text_encoders.values()),
-                                           [ids[prompt_ids].to(accelerator.device) for ids in input_ids])
-        if pooled is None:
-            return hidden, None
-        time_ids = data.time_ids(image_ids.tolist()).to(accelerator.device, hidden.dtype)
-        return hidden, {"text_embeds": pooled, "time_ids": time_ids}
-
-    held_out_prompts = torch.tensor([prompt_id[c[0]] for c in held_out_captions], dtype=torch.long)
     held_out_loss = None if held_out is None else HeldOutLoss(  # keyed by image: SDXL's time ids are the image's
-        held_out, encode, vae.config, list(range(len(held_out))), noise_scheduler.config.num_train_timesteps,
-        accelerator, args.seed, args.train_batch_size)
+        held_out, encode, vae.config, list(range(len(held_out))), objective, accelerator, args.seed,
+        args.train_batch_size)
     loader_batches = batching(sizes, args.train_batch_size, args.seed, train_data)  # one bucket each with --buckets
     if args.cache_latents:
         logger.info(f"caching the latents of {len(train_data)} images{' and their mirror images' * args.random_flip}")
         train_data = CachedLatents(train_data, encode, args.vae_encode_batch_size)
-    offload_idle_models(accelerator, logger, args, vae, list(text_encoders.values()),
-                        text_cached=prompt_embeds is not None)
+    offload_idle_models(logger, args, vae, list(text_encoders.values()), text_cached=condition.cache is not None)
     train_dataloader = torch.utils.data.DataLoader(train_data, num_workers=args.dataloader_num_workers,
                                                    collate_fn=collate_batch, **loader_batches)
     # </domain>
 
     # 4. Optimizer on the LoRA weights (the text encoder's at its own LR); schedule counted in optimizer steps.
     # <domain: parameter groups>
-    lr_groups = {name: args.text_encoder_lr or args.learning_rate for name in trained if name != "unet"}
+    lr_groups = {name: args.text_encoder_lr or args.learning_rate for name in trained if name != family.DENOISER}
     param_groups = build_param_groups(torch.nn.ModuleDict(trained), args.learning_rate, args.adam_weight_decay,
                                       lr_groups)
     # </domain>
@@ -393,20 +349,24 @@ def main(args):
     unwrapped = {name: accelerator.unwrap_model(m, keep_torch_compile=False) for name, m in zip(trained, models)}
     trained_params = [p for model in models for p in model.parameters() if p.requires_grad]  # what gets clipped
     # <domain: the prepared models; what a checkpoint holds>
-    unet = models[0]
-    text_encoders.update(zip(list(trained)[1:], models[1:]))  # the text encoders that train: the prepared ones
+    from common.lora_files import load_lora_ema, load_lora_state, save_lora_ema, save_lora_state, save_lora_weights
+    from common.lora_metadata import lora_card, lora_metadata
+
+    denoiser = models[0]
+    condition.use_encoders(zip(list(trained)[1:], models[1:]))  # the text encoders that train: the prepared ones
     info = lora_info(args)
     checkpoint_info = info  # in checkpoint_info.json too: a resume checks its LoRA settings against them
-    base_version = base_model_metadata(unwrapped["unet"].config, noise_scheduler.config.prediction_type)
+    base_version = family.base_metadata(unwrapped[family.DENOISER].config,
+                                        noise_scheduler.config.get("prediction_type"))
 
     def file_metadata(step):  # the LoRA files' header (max_train_steps: its value when they are written)
         return lora_metadata(args, info, base_version, step, max_train_steps, len(train_data),
-                             accelerator.mixed_precision, TEXT_ENCODER_TARGETS, OPTIMIZERS[args.optimizer][0])
+                             accelerator.mixed_precision, family.TEXT_LORA_TARGETS, OPTIMIZERS[args.optimizer][0])
 
     def save_extra(folder, models):  # the checkpoint's pytorch_lora_weights: what would be exported now (EMA)
         with ema_weights(ema, ema_params):
-            save_lora_weights(folder, models, info, metadata=file_metadata(global_step))
-        if ema is not None:  # lora_ema.safetensors + lora_ema.json (unet/, text_encoder/: the raw adapters)
+            save_lora_weights(folder, family, models, info, metadata=file_metadata(global_step))
+        if ema is not None:  # lora_ema.safetensors + lora_ema.json (unet/ etc.: the raw adapters)
             save_lora_ema(ema, list(trainable), folder)
 
     def load_extra(folder):  # (parse_args checked that the checkpoint's EMA matches the flags)
@@ -425,7 +385,7 @@ def main(args):
     init_trackers(accelerator, args)
     total_batch_size = args.train_batch_size * accelerator.num_processes * args.gradient_accumulation_steps
     # <domain: what this run trains>
-    logger.info(f"{len(train_data)} training images at {args.resolution} px, {len(prompts) - 1} distinct captions, "
+    logger.info(f"{len(train_data)} training images at {args.resolution} px, {captions.distinct} distinct captions, "
                 f"{num_trainable} LoRA parameters ({accelerator.mixed_precision} mixed precision: base {weight_dtype}, "
                 f"LoRA {lora_dtype}), {accelerator.num_processes} process(es), batch {total_batch_size}, "
                 f"{max_train_steps} optimizer steps over {num_train_epochs} epochs")
@@ -445,7 +405,7 @@ def main(args):
                                                     max_train_steps)
         logger.info(f"resumed from {resume_path} at step {global_step}")
 
-    # 7. The loop: latents + noise at a random timestep -> the UNet (with LoRA) predicts the noise (or v, or x0).
+    # 7. The loop: latents noised by the family's objective -> the denoiser (with LoRA) predicts its target.
     progress = tqdm(total=max_train_steps, initial=global_step, desc="steps",
                     disable=not accelerator.is_local_main_process)
     start_time, start_step = time.time(), global_step
@@ -454,19 +414,20 @@ def main(args):
     group_names = [group["name"] for group in optimizer.param_groups]
     # <domain: validation>
     from common.fsdp import full_models
+    from common.validation_images import validation_images
 
     def validate(step, images=True):  # the held-out loss and images of the current LoRA (its EMA with --use_ema)
         full = full_models(accelerator, dict(zip(trained, models)))  # (under FSDP: gathered on every process)
+        model = full[family.DENOISER]
         with ema_weights(ema, ema_params):
             if held_out_loss is not None:
-                held_out_loss.log(step, full["unet"],
-                                  lambda ids: condition(held_out_prompts[ids], ids, held_out), noise_scheduler)
+                held_out_loss.log(step, model, lambda x, t, cond: family.denoise(model, x, t, cond, guidance),
+                                  lambda ids: condition(captions.held_out_ids[ids], ids, held_out))
             if not (images and args.validation_prompt):
                 return []
-            parts = {"vae": vae, "unet": full["unet"], **tokenizers,
-                     **{name: full.get(name, model) for name, model in text_encoders.items()}}
-            return validation_images(args, accelerator, parts, noise_scheduler, step,
-                                     sizes=validation_sizes(sizes, args.resolution))
+            pipe_parts = {**{k: v for k, v in parts.items() if k != "scheduler"}, **full}
+            return validation_images(args, accelerator, family, pipe_parts, noise_scheduler, step,
+                                     sizes=validation_sizes(sizes, args.resolution), embeddings=condition.cached())
 
     validating = held_out_loss is not None or args.validation_prompt
     if held_out_loss is not None and global_step == 0:
@@ -485,19 +446,10 @@ def main(args):
                 with accelerator.accumulate(*models):
                     # <domain: the loss>
                     params = batch["latent_params"] if args.cache_latents else encode(batch["pixel_values"])
-                    latents = sample_latents(params)
-                    noise = torch.randn_like(latents)
-                    if args.noise_offset:  # lets the model learn overall brightness (very dark / light images)
-                        noise += args.noise_offset * torch.randn(*latents.shape[:2], 1, 1, device=latents.device)
-                    timesteps = torch.randint(0, noise_scheduler.config.num_train_timesteps, (latents.shape[0],),
-                                              device=latents.device)
-                    noisy_latents = noise_scheduler.add_noise(latents, noise, timesteps)
-                    prompt_index = pick_prompts(batch["index"], epoch)
-                    encoder_hidden_states, added_cond = condition(prompt_index, batch["index"], train_data)
-                    target = diffusion_target(noise_scheduler, latents, noise, timesteps)
-                    model_pred = unet(noisy_latents, timesteps, encoder_hidden_states, added_cond_kwargs=added_cond,
-                                      return_dict=False)[0]
-                    loss = diffusion_loss(model_pred, target, noise_scheduler, timesteps, args.snr_gamma)
+                    noised = objective(sample_latents(params, vae.config))  # noisy input, timesteps, target, weights
+                    cond = condition(captions.pick(batch["index"], epoch), batch["index"], train_data)
+                    model_pred = family.denoise(denoiser, noised.noisy, noised.timesteps, cond, guidance)
+                    loss = objective.losses(model_pred, noised).mean()
                     # </domain>
                     accelerator.backward(loss)
                     loss_sum += loss.detach() / args.gradient_accumulation_steps
@@ -548,20 +500,20 @@ def main(args):
             if global_step >= max_train_steps:
                 break
 
-        # 9. Save: the LoRA in diffusers' format (+ kohya), final images, a model card and the run summary.
+        # 9. Save: the LoRA in the family pipeline's format (+ kohya), final images, a model card and the run summary.
         accelerator.wait_for_everyone()
         # <domain: the final validation, the LoRA and its model card>
         images = validate(global_step) if validating else []
         final = full_models(accelerator, dict(zip(trained, models)), main_only=True)
         if accelerator.is_main_process:
             if ema is not None:  # the trained weights themselves, beside the EMA: pipe.load_lora_weights(".../raw")
-                save_lora_weights(os.path.join(args.output_dir, "raw"), final, {**info, "ema_weights": False},
+                save_lora_weights(os.path.join(args.output_dir, "raw"), family, final, {**info, "ema_weights": False},
                                   kohya=args.export_kohya, metadata=file_metadata(global_step))
             with ema_weights(ema, ema_params):
-                save_lora_weights(args.output_dir, final, info, kohya=args.export_kohya,
+                save_lora_weights(args.output_dir, family, final, info, kohya=args.export_kohya,
                                   metadata=file_metadata(global_step))
-            write_model_card(args.output_dir, *lora_card(args, info, kind, global_step, last_loss, ema is not None,
-                                                         (args.validation_prompt or [prompts[-1]])[0]),
+            write_model_card(args.output_dir, *lora_card(args, info, family, global_step, last_loss, ema is not None,
+                                                         (args.validation_prompt or [captions.prompts[-1]])[0]),
                              images=[os.path.relpath(p, args.output_dir) for p in images])
         metrics = {"trainable_parameters": num_trainable, "mixed_precision": accelerator.mixed_precision,
                    "resolution": args.resolution}
@@ -587,8 +539,20 @@ def lora_info(args):
             "variant": args.variant, "rank": args.rank, "lora_alpha": args.lora_alpha,
             "target_modules": args.target_modules, "use_dora": args.use_dora,
             "train_text_encoder": args.train_text_encoder, "prediction_type": args.prediction_type,
+            "max_sequence_length": args.max_sequence_length,  # T5's prompt length: sample.py's default too
             "ema_weights": args.use_ema,  # the weights in pytorch_lora_weights.safetensors are the EMA ones
             "trigger": args.caption_prefix.strip(" ,") or None}  # --caption_prefix: what prompts need to show it
+
+
+def check_lora_family_args(args, family):
+    """What depends on the base's family (parse_args for a local base, main for a hub one): the default LoRA targets,
+    and --quantize_base's package."""
+    import importlib.util
+
+    if args.target_modules is None:
+        args.target_modules = comma_list(family.LORA_TARGETS)
+    if args.quantize_base and importlib.util.find_spec("bitsandbytes") is None:
+        raise UserError("--quantize_base nf4 needs bitsandbytes (`make install-extras`, on a CUDA machine)")
 
 
 def check_target_modules(model, targets, flag, what):

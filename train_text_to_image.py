@@ -1,12 +1,14 @@
 #!/usr/bin/env python
-"""Train the UNet of Stable Diffusion on captioned images (full fine-tuning, or from scratch), the accelerate way.
+"""Train the denoiser of a text-to-image diffusion model on captioned images (full fine-tuning, or from scratch).
 
-The counterpart of diffusers' train_text_to_image.py: the VAE and the CLIP text encoder frozen, every UNet weight
-trained on the denoising loss (epsilon, v or x0), the UNet from the base pipeline or, with --unet_config, a fresh
-one from a config (training from scratch). Latents (--cache_latents) and text embeddings computed once; caption
-dropout so that classifier-free guidance works, min-SNR weighting, noise offset, an EMA of the weights (what gets
-exported), validation images, resumable checkpoints. Writes a complete StableDiffusionPipeline folder
-(`StableDiffusionPipeline.from_pretrained(output_dir)`, sample.py, and a base for train_lora.py) and a model card.
+The counterpart of diffusers' train_text_to_image.py, for every family of common/families/ (the base's
+model_index.json says which): Stable Diffusion 1.x/2.x and XL (a UNet on DDPM noise: epsilon, v or x0, min-SNR
+weighting, noise offset), Stable Diffusion 3 and Flux.1 (a transformer trained by flow matching). The VAE and the
+text encoders frozen, every denoiser weight trained, the denoiser from the base pipeline or, with --unet_config /
+--transformer_config, a fresh one from a config (training from scratch). Latents (--cache_latents) and every prompt's
+embeddings computed once; caption dropout so that classifier-free guidance works, an EMA of the weights (what gets
+exported), validation images, a held-out loss, resumable checkpoints. Writes a complete pipeline folder of the base's
+class (`DiffusionPipeline.from_pretrained(output_dir)`, sample.py, and a base for train_lora.py) and a model card.
 
 Built-in demo (CPU): a full fine-tune of the shipped tiny base on the red-ink digits that `make data` writes (the
 LoRA recipe's data, for comparison):
@@ -21,12 +23,11 @@ One GPU, Stable Diffusion 1.5 from the hub (full fine-tuning wants a large GPU; 
         --output_dir outputs/sd-naruto
 Then:  python sample.py --model outputs/sd-naruto --prompt "a girl with pink hair"
 
-Copy with: common/__init__.py, common/args.py, common/buckets.py, common/caption_files.py, common/checkpoints.py, common/cli.py, common/diffusion.py, common/distributed.py, common/fsdp.py, common/image_data.py, common/optimizers.py, common/preemption.py, common/reporting.py, common/sdxl.py, common/stable_diffusion.py, common/training.py, common/unet_config.py, common/validation_loss.py
+A copy also needs the module of its base's family: common/families/sd.py, sdxl.py, sd3.py or flux.py.
+Copy with: common/__init__.py, common/args.py, common/base_models.py, common/buckets.py, common/caption_files.py, common/checkpoints.py, common/cli.py, common/diffusion.py, common/distributed.py, common/families/__init__.py, common/fsdp.py, common/image_data.py, common/objectives.py, common/optimizers.py, common/preemption.py, common/prompts.py, common/reporting.py, common/sgm_names.py, common/single_file_checkpoint.py, common/text_encoder_keys.py, common/training.py, common/unet_config.py, common/vae.py, common/validation_images.py, common/validation_loss.py
 """  # noqa: E501 (the copy list stays one line, for grep)
-import json
 import math
 import os
-import random
 import time
 
 from common.args import (
@@ -40,27 +41,19 @@ from common.args import (
     check_bucket_args,
     check_common_args,
     make_parser,
-    positive_float,
-    positive_int,
 )
+from common.base_models import SHIPPED_BASE, add_base_model_args, check_base_args, size_factor
 from common.buckets import check_bucket_resolution
 from common.caption_files import caption_folder_reader, check_caption_args
 from common.checkpoints import resolve_resume
 from common.cli import UserError, quiet_loading_bars, run
-from common.diffusion import SCHEDULER_CLASSES, SD_SCHEDULER, diffusion_loss, diffusion_target
+from common.objectives import add_objective_args
 from common.optimizers import add_optimizer_args, check_optimizer_args
-from common.stable_diffusion import (
-    SHIPPED_BASE,
-    base_resolution,
-    check_local_resolution,
-    check_sd_pipeline,
-    load_error,
-    offload_idle_models,
-    size_factor,
-    validation_images,
-)
+from common.single_file_checkpoint import check_single_file_base, save_single_file, single_file_path
+from common.text_encoder_keys import add_text_model_prefix
 from common.training import add_ema_args, check_resumed_ema, ema_weights
 from common.unet_config import read_json_config
+from common.validation_images import add_validation_image_args
 
 
 def parse_args(argv=None):
@@ -70,28 +63,22 @@ def parse_args(argv=None):
     add_latent_cache_args(g)
     add_bucket_args(g)
     g = parser.add_argument_group("model")
-    g.add_argument("--pretrained_model_name_or_path", default=SHIPPED_BASE,
-                   help="A StableDiffusionPipeline: hub id or folder (default: the shipped tiny digits base).")
-    g.add_argument("--revision", default=None, help="Hub revision of the base model.")
-    g.add_argument("--variant", default=None, help="Weights variant of the base model, e.g. fp16.")
+    add_base_model_args(g, SHIPPED_BASE, "A StableDiffusionPipeline, StableDiffusionXLPipeline, "
+                                         "StableDiffusion3Pipeline or FluxPipeline: hub id or folder (default: the "
+                                         "shipped tiny digits base).")
     g.add_argument("--unet_config", default=None,
                    help="A UNet2DConditionModel config (json file, or folder with config.json): train a fresh UNet "
-                        "from scratch instead of the base's.")
-    g.add_argument("--prediction_type", default=None, choices=["epsilon", "v_prediction", "sample"],
-                   help="Training target; default: the base scheduler's. Saved in the output's scheduler.")
-    g.add_argument("--snr_gamma", type=positive_float, default=None, help="Min-SNR loss weighting (5.0 is usual).")
-    g.add_argument("--noise_offset", type=float, default=0.0, help="Offset noise scale (0.05-0.1 is usual).")
-    g.add_argument("--gradient_checkpointing", action="store_true", help="Less memory, ~30%% slower.")
+                        "from scratch instead of the base's (SD 1.x/2.x, SDXL).")
+    g.add_argument("--transformer_config", default=None,
+                   help="The same for a transformer base (SD3Transformer2DModel, FluxTransformer2DModel config).")
+    add_objective_args(g)
     add_ema_args(g)
-    g = parser.add_argument_group("validation")
-    g.add_argument("--validation_prompt", action="append", default=[], help="Repeatable.")
-    g.add_argument("--num_validation_images", type=positive_int, default=2, help="Images per prompt.")
-    g.add_argument("--validation_steps", type=positive_int, default=500,
-                   help="Every N optimizer steps, and at the end.")
-    g.add_argument("--validation_scheduler", default=SD_SCHEDULER, choices=sorted(SCHEDULER_CLASSES),
-                   help="Sampler of the validation images (sample.py's default too).")
-    g.add_argument("--validation_inference_steps", type=positive_int, default=20)
-    g.add_argument("--validation_guidance_scale", type=float, default=7.5)
+    g.add_argument("--save_model_as", default="diffusers", choices=["diffusers", "safetensors"],
+                   help="kohya's flag. safetensors: also OUTPUT_DIR/<its name>.safetensors, the single-file "
+                        "checkpoint (original SD layout) that ComfyUI's and A1111/Forge's checkpoint loaders and "
+                        "diffusers' from_single_file read (SD 1.x/2.x and SDXL). The pipeline folder is always "
+                        "written.")
+    add_validation_image_args(parser.add_argument_group("validation"), validation_steps=500)
     add_training_args(parser, output_dir="outputs/text-to-image", learning_rate=1e-5, train_batch_size=16,
                       num_train_epochs=5, lr_scheduler="constant", lr_warmup_steps=0)
     add_optimizer_args(parser)
@@ -101,18 +88,22 @@ def parse_args(argv=None):
     check_caption_args(args)
     check_common_args(args)
     check_optimizer_args(args)
-    check_sd_pipeline(args.pretrained_model_name_or_path, "--pretrained_model_name_or_path")
-    args.resolution = check_local_resolution(args.pretrained_model_name_or_path, args.resolution)
-    if args.unet_config:
-        args.unet_config = read_unet_config(args.unet_config)
-        check_unet_fits(args.unet_config, args.pretrained_model_name_or_path)
+    family = check_base_args(args, "train_text_to_image.py trains")  # None for a hub base: checked once fetched
+    args.denoiser_config = read_denoiser_config(args)
+    if family:
+        check_denoiser_flag(args, family)
+    if args.denoiser_config and family:
+        check_denoiser_fits(args.denoiser_config, args.pretrained_model_name_or_path, family)
+    if args.save_model_as == "safetensors" and family:  # (a hub base: checked once its family is known)
+        check_save_model_as(args, family)
     check_bucket_args(args)
-    if args.buckets == "auto" and os.path.isdir(args.pretrained_model_name_or_path):  # a hub base: once loaded
-        check_bucket_resolution(args.resolution, size_factor(args.pretrained_model_name_or_path,
-                                                                unet_config=args.unet_config))
+    if args.buckets == "auto" and family:  # a hub base: once loaded
+        check_bucket_resolution(args.resolution, size_factor(args.pretrained_model_name_or_path, family,
+                                                             denoiser_config=args.denoiser_config))
     resume_path = resolve_resume(args.resume_from_checkpoint, args.output_dir)
-    if resume_path:
-        check_resumed_ema(args, resume_path)
+    if resume_path:  # the EMA is kept as unet_ema/ or transformer_ema/, in from_pretrained form
+        kind = "transformer" if os.path.isdir(os.path.join(resume_path, "transformer_ema")) else "unet"
+        check_resumed_ema(args, resume_path, os.path.join(f"{kind}_ema", "config.json"))
     return args
 
 
@@ -151,126 +142,108 @@ def main(args):
     if args.allow_tf32:
         torch.backends.cuda.matmul.allow_tf32 = True
     # <domain: weight dtype>
-    # Read the accelerator's precision, not the flag: an accelerate yaml may ask for fp16 too. The UNet trains in
-    # fp32 (autocast computes in the low precision); the frozen text encoder is stored in it.
+    # Read the accelerator's precision, not the flag: an accelerate yaml may ask for fp16 too. The denoiser trains in
+    # fp32 (autocast computes in the low precision); the frozen text encoders are stored in it.
     weight_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(accelerator.mixed_precision, torch.float32)
     # </domain>
 
     # 2. Data: images decoded once; each image's captions as indices into the distinct prompts ("" for dropout).
     # <domain: data>
+    from common.base_models import base_resolution, check_family_args
     from common.buckets import batching, bucket_images, validation_sizes
-    from common.image_data import CachedLatents, ImageDataset, caption_lists, collate_batch, require_columns
+    from common.families import load_family, read_model_index
+    from common.image_data import CachedLatents, Captions, ImageDataset, collate_batch, image_sizes, require_columns
+    from common.validation_images import check_validation_image_args
     from common.validation_loss import HeldOutLoss, load_with_validation
 
-    args.resolution, _ = base_resolution(args.pretrained_model_name_or_path, args.resolution, args.revision,
-                                         args.cache_dir)
+    path, flag = args.pretrained_model_name_or_path, "--pretrained_model_name_or_path"
+    family = load_family(path, flag, args.revision, args.cache_dir, uses="train_text_to_image.py trains")
+    check_family_args(args, family)  # (a hub base's: now that its family is known)
+    check_denoiser_flag(args, family)
+    check_validation_image_args(args, family)
+    if args.save_model_as == "safetensors":
+        check_save_model_as(args, family)
+    args.resolution, _ = base_resolution(path, args.resolution, family, args.revision, args.cache_dir)
     # held out: --validation_split's images, for val/loss; a folder without metadata: .txt captions
     train_ds, held_out_ds = load_with_validation(args, read_folder=caption_folder_reader(args))
     require_columns(train_ds, image_column=args.image_column, caption_column=args.caption_column)
-    captions = caption_lists(train_ds[args.caption_column], args.caption_column, prefix=args.caption_prefix)
-    held_out_captions = (caption_lists(held_out_ds[args.caption_column], args.caption_column,
-                                       prefix=args.caption_prefix) if held_out_ds else [])
-    prompts = sorted({c for options in captions + held_out_captions for c in options} | {""})
-    prompt_id = {p: i for i, p in enumerate(prompts)}
-    caption_ids = [[prompt_id[c] for c in options] for options in captions]
-
-    def pick_prompts(indices, epoch):
-        """One caption per image, or "" with --caption_dropout_prob: a function of (seed, epoch, index)."""
-        picked = []
-        for index in indices.tolist():
-            rng = random.Random(hash((args.seed, epoch, index)))
-            picked.append(prompt_id[""] if rng.random() < args.caption_dropout_prob else rng.choice(caption_ids[index]))
-        return torch.tensor(picked)
-
+    # each image's captions as indices into the distinct prompts; the validation prompts are embedded with them
+    captions = Captions(args, train_ds, held_out_ds, extra=args.validation_prompt)
+    originals = held_out_originals = None  # every image's original (height, width), for SDXL's time ids
+    if family.TIME_IDS:
+        originals = image_sizes(train_ds, args.image_column)[0]
+        held_out_originals = image_sizes(held_out_ds, args.image_column)[0] if held_out_ds else None
     sizes = held_out_sizes = None  # --buckets auto: each image's (height, width)
     if args.buckets == "auto":
         sizes, held_out_sizes, table = bucket_images(args, train_ds, held_out_ds, size_factor(
-            args.pretrained_model_name_or_path, args.revision, args.cache_dir, args.unet_config))
+            path, family, args.revision, args.cache_dir, args.denoiser_config))
         logger.info(f"aspect-ratio buckets at {args.resolution} px:\n{table}")
     with accelerator.main_process_first():
         train_data = ImageDataset(train_ds, args.image_column, args.resolution, center_crop=args.center_crop,
                                   random_flip=args.random_flip, columns={"index": torch.arange(len(train_ds))},
-                                  seed=args.seed, sizes=sizes)
+                                  seed=args.seed, sizes=sizes, original_sizes=originals)
         held_out = None if held_out_ds is None else ImageDataset(
-            held_out_ds, args.image_column, args.resolution, center_crop=True, seed=args.seed, sizes=held_out_sizes)
+            held_out_ds, args.image_column, args.resolution, center_crop=True, seed=args.seed, sizes=held_out_sizes,
+            original_sizes=held_out_originals)
     # </domain>
 
-    # 3. Model: VAE (fp32: fp16 decodes overflow) and text encoder frozen; the UNet trained in fp32; its EMA.
+    # 3. Model: VAE (fp32: fp16 decodes overflow) and text encoders frozen; the denoiser trained in fp32; its EMA.
     # <domain: model>
-    from diffusers import AutoencoderKL, DDPMScheduler, StableDiffusionPipeline, UNet2DConditionModel
-    from diffusers.models.attention_processor import AttnProcessor2_0
-    from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
     from diffusers.training_utils import EMAModel
-    from transformers import CLIPTextModel, CLIPTokenizer
+
+    from common.base_models import load_parts, offload_idle_models
+    from common.objectives import make_objective
+    from common.prompts import Conditioning
+    from common.vae import encode_params, sample_latents
 
     quiet_loading_bars()
-    path, load = args.pretrained_model_name_or_path, {"revision": args.revision, "cache_dir": args.cache_dir}
-    try:
-        noise_scheduler = DDPMScheduler.from_pretrained(path, subfolder="scheduler", **load)
-        tokenizer = CLIPTokenizer.from_pretrained(path, subfolder="tokenizer", **load)
-        text_encoder = CLIPTextModel.from_pretrained(path, subfolder="text_encoder", variant=args.variant,
-                                                     dtype=weight_dtype, **load)
-        vae = AutoencoderKL.from_pretrained(path, subfolder="vae", variant=args.variant, dtype=torch.float32,
-                                            **load)
-        if args.unet_config:
-            check_unet_fits(args.unet_config, path)  # a hub base: its configs are known only now
-            unet = UNet2DConditionModel.from_config(args.unet_config)
-        else:
-            unet = UNet2DConditionModel.from_pretrained(path, subfolder="unet", variant=args.variant,
-                                                        dtype=torch.float32, **load)
-    except (OSError, ValueError) as err:
-        raise load_error("--pretrained_model_name_or_path", path, err) from None
-    if unet.config.cross_attention_dim != text_encoder.config.hidden_size:
-        raise UserError(f"the UNet's cross_attention_dim {unet.config.cross_attention_dim} does not match the text "
-                        f"encoder's hidden size {text_encoder.config.hidden_size}")
+    if args.denoiser_config:  # (a hub base: its configs are known only now)
+        check_denoiser_fits(args.denoiser_config, path, family, args.revision, args.cache_dir)
+    parts = load_parts(family, path, dtype=weight_dtype, denoiser_dtype=torch.float32, revision=args.revision,
+                       variant=args.variant, cache_dir=args.cache_dir, denoiser_config=args.denoiser_config,
+                       skip=family.OPTIONAL_COMPONENTS if args.drop_t5 else ())
+    noise_scheduler, vae, denoiser = parts["scheduler"], parts["vae"], parts[family.DENOISER]
     if args.prediction_type:
         noise_scheduler.register_to_config(prediction_type=args.prediction_type)
-    for model in (vae, text_encoder):
+    objective = make_objective(family, noise_scheduler, args)  # what the denoiser learns (common/objectives.py)
+    text_encoders = [parts[name] for name in family.TEXT_ENCODERS if parts[name] is not None]
+    for model in (vae, *text_encoders):
         model.requires_grad_(False).to(accelerator.device)
-    unet.to(accelerator.device).train()
-    unet.set_attn_processor(AttnProcessor2_0())  # PyTorch SDPA (flash / memory-efficient kernels where available)
+    denoiser.to(accelerator.device).train()
+    guidance = args.guidance_scale if denoiser.config.get("guidance_embeds") else None  # (Flux.1-dev's input)
     if args.gradient_checkpointing:
-        unet.enable_gradient_checkpointing()
-    trained = {"unet": unet}  # what trains, by checkpoint subfolder
+        denoiser.enable_gradient_checkpointing()
+    trained = {family.DENOISER: denoiser}  # what trains, by checkpoint subfolder
     ema = None
     if args.use_ema:
-        ema = EMAModel(unet.parameters(), decay=args.ema_max_decay, use_ema_warmup=True, inv_gamma=args.ema_inv_gamma,
-                       power=args.ema_power, model_cls=UNet2DConditionModel, model_config=unet.config, foreach=True)
-    num_trainable = sum(p.numel() for p in unet.parameters())
+        ema = EMAModel(denoiser.parameters(), decay=args.ema_max_decay, use_ema_warmup=True,
+                       inv_gamma=args.ema_inv_gamma, power=args.ema_power, model_cls=type(denoiser),
+                       model_config=denoiser.config, foreach=True)
+    num_trainable = sum(p.numel() for p in denoiser.parameters())
 
-    # Speed: what is frozen is computed once. Text: every distinct prompt embedded once (kept on the CPU).
-    input_ids = tokenizer(prompts, padding="max_length", max_length=tokenizer.model_max_length, truncation=True,
-                          return_tensors="pt").input_ids
-    with torch.no_grad():
-        prompt_embeds = torch.cat([text_encoder(ids.to(accelerator.device))[0].float().cpu()
-                                   for ids in input_ids.split(64)])
+    # Speed: what is frozen is computed once. Text: every distinct prompt embedded once (kept on the CPU); the
+    # pipeline samples the unconditional branch of some families (SDXL) with zeros, and caption dropout trains on them.
+    condition = Conditioning(family, parts, captions.prompts, args.max_sequence_length, accelerator.device,
+                             family.empty_prompt_zeros(read_model_index(path, flag, args.revision, args.cache_dir)))
 
-    def encode(pixel_values):  # -> parameters (mean, log-variance) of the VAE's latent distribution
-        with torch.no_grad(), accelerator.autocast():
-            return vae.encode(pixel_values.to(accelerator.device, torch.float32)).latent_dist.parameters
-
-    def sample_latents(params):  # drawn afresh each step; contiguous, or randn_like draws differ for channels-last
-        latents = DiagonalGaussianDistribution(params.float().contiguous()).sample()
-        return (latents - (vae.config.shift_factor or 0.0)) * vae.config.scaling_factor
-
-    def embed(ids):  # prompt indices -> the text encoder's hidden states (computed once above)
-        return prompt_embeds[ids].to(accelerator.device)
+    def encode(pixel_values):  # -> parameters (mean, log-variance) of the VAE's latent distribution, in fp32
+        return encode_params(vae, pixel_values)
 
     held_out_loss = None if held_out is None else HeldOutLoss(
-        held_out, encode, vae.config, [prompt_id[c[0]] for c in held_out_captions],
-        noise_scheduler.config.num_train_timesteps, accelerator, args.seed, args.train_batch_size)
+        held_out, encode, vae.config, list(range(len(held_out))), objective, accelerator, args.seed,
+        args.train_batch_size)
     loader_batches = batching(sizes, args.train_batch_size, args.seed, train_data)  # one bucket each with --buckets
     if args.cache_latents:
         logger.info(f"caching the latents of {len(train_data)} images{' and their mirror images' * args.random_flip}")
         train_data = CachedLatents(train_data, encode, args.vae_encode_batch_size)
-    offload_idle_models(accelerator, logger, args, vae, text_encoder, text_cached=prompt_embeds is not None)
+    offload_idle_models(logger, args, vae, text_encoders, text_cached=True)
     train_dataloader = torch.utils.data.DataLoader(train_data, num_workers=args.dataloader_num_workers,
                                                    collate_fn=collate_batch, **loader_batches)
     # </domain>
 
-    # 4. Optimizer on the UNet; schedule counted in optimizer steps.
+    # 4. Optimizer on the denoiser; schedule counted in optimizer steps.
     # <domain: parameter groups>
-    param_groups = build_param_groups(unet, args.learning_rate, args.adam_weight_decay)
+    param_groups = build_param_groups(denoiser, args.learning_rate, args.adam_weight_decay)
     # </domain>
     optimizer = build_optimizer(args, param_groups, accelerator.device)  # --optimizer (default: fused AdamW)
     steps_per_epoch, max_train_steps, num_train_epochs = plan_steps(
@@ -279,26 +252,27 @@ def main(args):
     lr_scheduler = build_lr_scheduler(args.lr_scheduler, optimizer, args.lr_warmup_steps, max_train_steps,
                                       accelerator.num_processes, args.lr_warmup_start_factor, args.lr_min)
 
-    # 5. prepare, hooks (checkpoints hold unet/ and unet_ema/ in from_pretrained form, plus scheduler/), then the
-    #    exact step counts.
+    # 5. prepare, hooks (checkpoints hold unet/ and unet_ema/, or transformer/ and transformer_ema/, in
+    #    from_pretrained form, plus scheduler/), then the exact step counts.
     *models, optimizer, train_dataloader, lr_scheduler = accelerator.prepare(*trained.values(), optimizer,
                                                                              train_dataloader, lr_scheduler)
     unwrapped = {name: accelerator.unwrap_model(m, keep_torch_compile=False) for name, m in zip(trained, models)}
     trained_params = [p for model in models for p in model.parameters() if p.requires_grad]  # what gets clipped
     # <domain: the prepared models; what a checkpoint holds>
-    unet = models[0]
+    denoiser = models[0]
+    ema_folder = f"{family.DENOISER}_ema"
     if ema is not None:
         ema.to(accelerator.device)
 
     def save_extra(folder, models):
         if ema is not None:
-            ema.save_pretrained(os.path.join(folder, "unet_ema"))
+            ema.save_pretrained(os.path.join(folder, ema_folder))
         noise_scheduler.save_pretrained(os.path.join(folder, "scheduler"))
 
     def load_extra(folder):  # (parse_args checked that the checkpoint's EMA matches the flags)
         if ema is not None:
-            ema.load_state_dict(EMAModel.from_pretrained(os.path.join(folder, "unet_ema"),
-                                                         UNet2DConditionModel).state_dict())
+            ema.load_state_dict(EMAModel.from_pretrained(os.path.join(folder, ema_folder),
+                                                         type(unwrapped[family.DENOISER])).state_dict())
             ema.to(accelerator.device)
 
     register_state_hooks(accelerator, unwrapped, extra_save=save_extra, extra_load=load_extra)
@@ -312,8 +286,9 @@ def main(args):
     init_trackers(accelerator, args)
     total_batch_size = args.train_batch_size * accelerator.num_processes * args.gradient_accumulation_steps
     # <domain: what this run trains>
-    logger.info(f"{len(train_data)} training images at {args.resolution} px, {len(prompts) - 1} distinct captions, "
-                f"{num_trainable} UNet parameters{' (fresh, from --unet_config)' * bool(args.unet_config)} "
+    fresh = f" (fresh, from --{family.DENOISER}_config)" if args.denoiser_config else ""
+    logger.info(f"{len(train_data)} training images at {args.resolution} px, {captions.distinct} distinct captions, "
+                f"{num_trainable} {family.DENOISER} parameters{fresh} "
                 f"({accelerator.mixed_precision} mixed precision), {accelerator.num_processes} process(es), batch "
                 f"{total_batch_size}, {max_train_steps} optimizer steps over {num_train_epochs} epochs")
     # </domain>
@@ -332,7 +307,7 @@ def main(args):
                                                     max_train_steps)
         logger.info(f"resumed from {resume_path} at step {global_step}")
 
-    # 7. The loop: latents + noise at a random timestep -> the UNet predicts the noise (or v, or x0).
+    # 7. The loop: latents noised by the family's objective -> the denoiser predicts its target.
     progress = tqdm(total=max_train_steps, initial=global_step, desc="steps",
                     disable=not accelerator.is_local_main_process)
     start_time, start_step = time.time(), global_step
@@ -341,17 +316,20 @@ def main(args):
     group_names = [group["name"] for group in optimizer.param_groups]
     # <domain: validation>
     from common.fsdp import full_models
+    from common.validation_images import validation_images
 
     def validate(step, images=True):  # the held-out loss and images of the EMA weights (what gets exported)
-        full = full_models(accelerator, {"unet": unet})  # (under FSDP: gathered on every process, for the loss)
-        with ema_weights(ema, full["unet"]):
+        full = full_models(accelerator, {family.DENOISER: denoiser})  # (under FSDP: gathered on every process)
+        model = full[family.DENOISER]
+        with ema_weights(ema, model):
             if held_out_loss is not None:
-                held_out_loss.log(step, full["unet"], embed, noise_scheduler)
+                held_out_loss.log(step, model, lambda x, t, cond: family.denoise(model, x, t, cond, guidance),
+                                  lambda ids: condition(captions.held_out_ids[ids], ids, held_out))
             if not (images and args.validation_prompt):
                 return []
-            parts = {"vae": vae, "unet": full["unet"], "tokenizer": tokenizer, "text_encoder": text_encoder}
-            return validation_images(args, accelerator, parts, noise_scheduler, step,
-                                     sizes=validation_sizes(sizes, args.resolution))
+            pipe_parts = {**{k: v for k, v in parts.items() if k != "scheduler"}, **full}
+            return validation_images(args, accelerator, family, pipe_parts, noise_scheduler, step,
+                                     sizes=validation_sizes(sizes, args.resolution), embeddings=condition.cached())
 
     validating = held_out_loss is not None or args.validation_prompt
     if held_out_loss is not None and global_step == 0:
@@ -370,18 +348,10 @@ def main(args):
                 with accelerator.accumulate(*models):
                     # <domain: the loss>
                     params = batch["latent_params"] if args.cache_latents else encode(batch["pixel_values"])
-                    latents = sample_latents(params)
-                    noise = torch.randn_like(latents)
-                    if args.noise_offset:  # lets the model learn overall brightness (very dark / light images)
-                        noise += args.noise_offset * torch.randn(*latents.shape[:2], 1, 1, device=latents.device)
-                    timesteps = torch.randint(0, noise_scheduler.config.num_train_timesteps, (latents.shape[0],),
-                                              device=latents.device)
-                    noisy_latents = noise_scheduler.add_noise(latents, noise, timesteps)
-                    prompt_index = pick_prompts(batch["index"], epoch)
-                    encoder_hidden_states = embed(prompt_index)
-                    target = diffusion_target(noise_scheduler, latents, noise, timesteps)
-                    model_pred = unet(noisy_latents, timesteps, encoder_hidden_states, return_dict=False)[0]
-                    loss = diffusion_loss(model_pred, target, noise_scheduler, timesteps, args.snr_gamma)
+                    noised = objective(sample_latents(params, vae.config))  # noisy input, timesteps, target, weights
+                    cond = condition(captions.pick(batch["index"], epoch), batch["index"], train_data)
+                    model_pred = family.denoise(denoiser, noised.noisy, noised.timesteps, cond, guidance)
+                    loss = objective.losses(model_pred, noised).mean()
                     # </domain>
                     accelerator.backward(loss)
                     loss_sum += loss.detach() / args.gradient_accumulation_steps
@@ -396,7 +366,7 @@ def main(args):
                     continue
                 # <domain: the EMA>
                 if ema is not None and update:  # real optimizer steps only
-                    ema.step(unet.parameters())
+                    ema.step(denoiser.parameters())
                 # </domain>
                 global_step += 1
                 skipped_steps += not update
@@ -432,28 +402,33 @@ def main(args):
         accelerator.wait_for_everyone()
         # <domain: the final validation, the pipeline and its model card>
         images = validate(global_step) if validating else []
-        final = full_models(accelerator, {"unet": unet}, main_only=True)
+        final = full_models(accelerator, {family.DENOISER: denoiser}, main_only=True)
         if accelerator.is_main_process:
-            with ema_weights(ema, final["unet"]):
-                pipe = StableDiffusionPipeline(vae=vae, text_encoder=text_encoder.to(torch.float32),
-                                               tokenizer=tokenizer, unet=final["unet"], scheduler=noise_scheduler,
-                                               safety_checker=None, feature_extractor=None,
-                                               requires_safety_checker=False)
+            import diffusers
+
+            with ema_weights(ema, final[family.DENOISER]):
+                saved = {**{name: part.to(torch.float32) if name.startswith("text_encoder") and part is not None
+                            else part for name, part in parts.items()}, **final}  # text encoders in fp32, as loaded
+                pipe = getattr(diffusers, family.PIPELINE)(**saved, **family.PIPELINE_EXTRAS)
                 pipe.save_pretrained(args.output_dir)
-            base = args.pretrained_model_name_or_path
+                for name in family.TEXT_ENCODERS:  # CLIPs' keys under text_model. (ComfyUI's CLIP loader reads those)
+                    add_text_model_prefix(os.path.join(args.output_dir, name))
+                if args.save_model_as == "safetensors":
+                    save_single_file(pipe, single_file_path(args.output_dir))
+            base, name = args.pretrained_model_name_or_path, family.DENOISER
             write_model_card(
-                args.output_dir, "Stable Diffusion UNet trained with train_text_to_image.py",
-                f"The UNet of `{base}`{' (fresh, from a UNet config)' * bool(args.unet_config)} trained on "
+                args.output_dir, f"{family.NAME} {name} trained with train_text_to_image.py",
+                f"The {name} of `{base}`{f' (fresh, from a {name} config)' * bool(args.denoiser_config)} trained on "
                 f"`{args.dataset_name or args.train_data_dir}` for {global_step} optimizer steps; the other "
                 f"components are the base's. Sample: `python sample.py --model {args.output_dir} --prompt \"...\"`.",
-                {"base model": f"`{base}`", "UNet": "from --unet_config" if args.unet_config else "the base's",
-                 "resolution": f"{args.resolution} px", "prediction type": noise_scheduler.config.prediction_type,
+                {"base model": f"`{base}`", name: f"from --{name}_config" if args.denoiser_config else "the base's",
+                 "resolution": f"{args.resolution} px", "objective": objective.describe(),
                  "EMA weights": ema is not None, "steps": global_step,
                  "final loss": f"{last_loss:.4f}" if last_loss is not None else "n/a",
                  "validation prompts": "; ".join(args.validation_prompt) or "none"},
-                "from diffusers import StableDiffusionPipeline\n"
-                f'pipe = StableDiffusionPipeline.from_pretrained("{args.output_dir}")\n'
-                f'image = pipe("{(args.validation_prompt or [prompts[-1]])[0]}").images[0]',
+                f"from diffusers import {family.PIPELINE}\n"
+                f'pipe = {family.PIPELINE}.from_pretrained("{args.output_dir}")\n'
+                f'image = pipe("{(args.validation_prompt or [captions.prompts[-1]])[0]}").images[0]',
                 images=[os.path.relpath(p, args.output_dir) for p in images])
         metrics = {"trainable_parameters": num_trainable, "mixed_precision": accelerator.mixed_precision,
                    "resolution": args.resolution}
@@ -472,30 +447,48 @@ def main(args):
         accelerator.end_training()
 
 
-def read_unet_config(path):
-    """--unet_config: a json file or a folder holding config.json -> the config dict."""
+def read_denoiser_config(args):
+    """--unet_config / --transformer_config: a json file or a folder holding config.json -> the config dict, or
+    None."""
+    if args.unet_config and args.transformer_config:
+        raise UserError("--unet_config and --transformer_config: give one (the base's denoiser is one or the other)")
+    flag = "--unet_config" if args.unet_config else "--transformer_config"
+    path = args.unet_config or args.transformer_config
+    if not path:
+        return None
     file = os.path.join(path, "config.json") if os.path.isdir(path) else path
-    config = read_json_config(file, "--unet_config")
-    if "cross_attention_dim" not in config:
-        raise UserError(f"--unet_config: '{file}' is not a UNet2DConditionModel config (no cross_attention_dim)")
+    config = read_json_config(file, flag)
+    if not isinstance(config.get("in_channels"), int) and "cross_attention_dim" not in config:
+        raise UserError(f"{flag}: '{file}' is not a denoiser config (no in_channels or cross_attention_dim)")
     return config
 
 
-def check_unet_fits(config, base):
-    """A fresh UNet must take the base's latents and text embeddings; checked on the folder's configs before any
-    weight loads (for a hub base, once loaded)."""
-    checks = (("text_encoder", "hidden_size", "cross_attention_dim", "the text encoder's hidden size"),
-              ("vae", "latent_channels", "in_channels", "the VAE's latent channels"))
-    for part, key, unet_key, what in checks:
-        file = os.path.join(base, part, "config.json")
-        if not os.path.isfile(file):
-            continue
-        with open(file) as f:
-            want = json.load(f).get(key)
-        have = config.get(unet_key, 4 if unet_key == "in_channels" else None)
-        if want is not None and have != want:
-            raise UserError(f"--unet_config: {unet_key} is {have}, but {what} of '{base}' is {want}; "
-                            f"set \"{unet_key}\": {want} in the config")
+def check_denoiser_flag(args, family):
+    """The config flag must name the base's kind of denoiser."""
+    for flag, kind in (("unet_config", "unet"), ("transformer_config", "transformer")):
+        if getattr(args, flag) and family.DENOISER != kind:
+            raise UserError(f"--{flag}: a {family.NAME} base has a {family.DENOISER}, not a {kind}: give "
+                            f"--{family.DENOISER}_config")
+
+
+def check_save_model_as(args, family):
+    """The single-file layout holds SD 1.x/2.x and SDXL UNets; a local base's configs are checked against it before
+    training (a hub base's when it is written)."""
+    if not family.SINGLE_FILE:
+        raise UserError(f"--save_model_as safetensors: the single-file checkpoint holds SD 1.x/2.x and SDXL bases, not "
+                        f"{family.NAME}; leave it out (the pipeline folder loads in diffusers)")
+    check_single_file_base(args.pretrained_model_name_or_path, "--save_model_as safetensors", args.denoiser_config)
+
+
+def check_denoiser_fits(config, base, family, revision=None, cache_dir=None):
+    """A fresh denoiser must take the base's latents and text embeddings (family.fit_problems); checked on the
+    folder's configs before any weight loads (for a hub base, once its configs are fetched)."""
+    from common.base_models import component_configs
+
+    configs = component_configs(base, ("vae", *family.TEXT_ENCODERS), revision, cache_dir)
+    for key, has, wants, what in family.fit_problems(config, configs):
+        raise UserError(f"--{family.DENOISER}_config: {key} is {has}, but {what} of '{base}' is {wants}; set "
+                        f"\"{key}\": {wants} in the config")
 
 
 if __name__ == "__main__":

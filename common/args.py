@@ -111,6 +111,9 @@ def add_caption_args(group, caption_dropout_prob):
                             "with same-name .txt captions (no metadata file); without it each image needs one.")
     group.add_argument("--caption_extension", default=".txt",
                        help="The caption files' extension in such a folder: .txt, or .caption (kohya's sd-scripts).")
+    group.add_argument("--enable_wildcard", action="store_true",
+                       help="Caption files: every non-empty line a caption, one picked at random per step (kohya's "
+                            "flag; its {a|b} notation is refused). Without it: the first line, as kohya reads them.")
     group.add_argument("--caption_prefix", default="",
                        help="Put before every caption, e.g. a trigger word: 'sks style, ' (not before the empty "
                             "prompt of caption dropout).")

@@ -3,9 +3,11 @@ own, instead of cropped square, and every batch drawn from one bucket (one tenso
 
 The buckets: sides that are multiples of the model's factor (the VAE's downsampling × the UNet's), from half to
 twice the resolution, each the largest area not above resolution² for its width (the scheme of kohya's sd-scripts;
-e.g. 512x512, 576x448, 640x384 ... for 512 and SD's factor 64). Each image goes to the bucket nearest its aspect
-ratio (in log space); it is resized to cover the bucket and center-cropped to the bucket's aspect only. A bucket
-with fewer images than a batch is merged into its nearest neighbour (said in the table), never dropped.
+e.g. 512x512, 576x448, 640x384 ... for 512 and SD's factor 64). Each image goes to the bucket whose crop keeps the
+most of it, the nearest aspect ratio on a log scale (kohya's sd-scripts take the plain difference of width/height
+instead: docs/train_lora.md says what that changes); it is resized to cover the bucket and center-cropped to the
+bucket's aspect only. A bucket with fewer images than a batch is merged into its nearest neighbour (said in the
+table), never dropped.
 BucketBatchSampler: per epoch, each bucket's images shuffled and cut into batches, and the batches shuffled, all as
 functions of (seed, epoch), so a resumed run sees the batches an uninterrupted one would have.
 """
@@ -28,11 +30,18 @@ def bucket_sizes(resolution, factor):
     return sorted(sizes, key=lambda hw: (hw[1] / hw[0], hw))
 
 
+def kept_share(size, bucket):
+    """The share of an image of `size` (height, width) that is left after it is resized to cover `bucket` and
+    center-cropped to it: the smaller aspect ratio over the larger. One division of two integers, so that an image
+    and its transpose get the very same number for transposed buckets."""
+    (h, w), (bh, bw) = size, bucket
+    return min(w * bh, h * bw) / max(w * bh, h * bw)
+
+
 def nearest_bucket(size, buckets):
-    """size (height, width) -> the index of the bucket whose aspect ratio is closest (log ratio); ties: the larger."""
-    aspect = math.log(size[1] / size[0])
-    return min(range(len(buckets)), key=lambda i: (abs(math.log(buckets[i][1] / buckets[i][0]) - aspect),
-                                                   -buckets[i][0] * buckets[i][1]))
+    """size (height, width) -> the index of the bucket that crops the least of it (the nearest aspect ratio on a log
+    scale: a tall image and its transpose take transposed buckets); ties: the larger bucket, then the first."""
+    return min(range(len(buckets)), key=lambda i: (-kept_share(size, buckets[i]), -buckets[i][0] * buckets[i][1]))
 
 
 def assign_buckets(sizes, resolution, factor, batch_size, max_upscale, names=None):

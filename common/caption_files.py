@@ -1,12 +1,14 @@
 """Images with same-name .txt captions beside them (the kohya sd-scripts, ai-toolkit and SimpleTuner layout), read
 as a datasets.DatasetDict.
 
-`cat/01.png` is captioned by `cat/01.txt` (`cat/01.caption` with --caption_extension .caption): UTF-8 text, one
-caption per non-empty line (several lines: several captions, one picked per step). Subfolders are searched at any
-depth; names starting with "." are skipped, as datasets' imagefolder skips them. A tree with a datasets metadata file
+`cat/01.png` is captioned by `cat/01.txt` (`cat/01.caption` with --caption_extension .caption): UTF-8 text, its
+first non-empty line the caption, as kohya's sd-scripts read it; with --enable_wildcard (kohya's flag) every non-empty
+line is a caption, one picked per step. Subfolders are searched at any depth; names starting with "." are skipped, as
+datasets' imagefolder skips them. A tree with a datasets metadata file
 (metadata.jsonl, .csv or .parquet) anywhere in it is an imagefolder instead, and datasets reads it.
 """
 import os
+import re
 
 from .args import IMAGE_EXTENSIONS
 from .cli import UserError
@@ -15,6 +17,8 @@ METADATA_FILES = ("metadata.jsonl", "metadata.csv", "metadata.parquet")
 SHOWN = 3  # file names quoted in an error about several files
 CAPTION_EXTENSION = ".txt"  # kohya's sd-scripts default to .caption; most folders use .txt
 OTHER_EXTENSIONS = (".txt", ".caption")  # what an error suggests when the files use the other one
+# kohya's wildcard notation, "{a|b}" (one variant per step; "{{" and "}}" stand for the braces themselves)
+WILDCARD = re.compile(r"\{[^{}]+\}")
 
 
 def caption_extension(text):
@@ -46,8 +50,8 @@ def metadata_file(root):
     return next((path for path in tree_files(root) if path.rsplit("/", 1)[-1] in METADATA_FILES), None)
 
 
-def read_caption_file(path):
-    """A caption file -> its non-empty lines, stripped (at least one)."""
+def read_caption_file(path, every_line=False):
+    """A caption file -> [its first non-empty line], stripped; `every_line` (--enable_wildcard): all of them."""
     try:
         with open(path, encoding="utf-8-sig") as file:  # -sig: a byte-order mark (Windows editors) is not text
             text = file.read()
@@ -59,6 +63,14 @@ def read_caption_file(path):
     if not captions:
         raise UserError(f"caption file '{path}' is empty; write the image's caption in it, or delete it to caption "
                         "the image with --default_caption")
+    if not every_line:
+        return captions[:1]
+    for caption in captions:
+        wildcard = WILDCARD.search(caption.replace("{{", "").replace("}}", ""))
+        if wildcard:  # kohya would expand it; trained as written it would teach the braces
+            raise UserError(f"caption file '{path}' holds kohya's {{a|b}} wildcard notation ('{wildcard.group()}'), "
+                            "which is not expanded here: write each variant as a caption line of its own "
+                            "(--enable_wildcard picks one line per step)")
     return captions
 
 
@@ -66,10 +78,10 @@ def listed(paths):
     return ", ".join(paths[:SHOWN]) + (f" and {len(paths) - SHOWN} more" if len(paths) > SHOWN else "")
 
 
-def read_caption_folder(root, default_caption=None, extension=CAPTION_EXTENSION):
+def read_caption_folder(root, default_caption=None, extension=CAPTION_EXTENSION, every_line=False):
     """-> (image paths, caption lists), in sorted path order (every process sees the same). An image without a caption
     file (<name><extension>) takes [default_caption], or is an error naming the first few; so is a caption file
-    without its image."""
+    without its image. `every_line`: read_caption_file's."""
     files = tree_files(root)
     images = [path for path in files if os.path.splitext(path)[1].lower() in IMAGE_EXTENSIONS]
     if not images:
@@ -101,18 +113,19 @@ def read_caption_folder(root, default_caption=None, extension=CAPTION_EXTENSION)
     captions = []
     for path in images:
         text = texts.get(os.path.splitext(path)[0])
-        captions.append(read_caption_file(os.path.join(root, text)) if text else [default_caption])
+        captions.append(read_caption_file(os.path.join(root, text), every_line) if text else [default_caption])
     return [os.path.abspath(os.path.join(root, path)) for path in images], captions
 
 
-def load_caption_folder(path, image_column, caption_column, default_caption=None, extension=CAPTION_EXTENSION):
+def load_caption_folder(path, image_column, caption_column, default_caption=None, extension=CAPTION_EXTENSION,
+                        every_line=False):
     """-> datasets.DatasetDict with a "train" split: `image_column` a datasets.Image() of the files, `caption_column`
     each image's list of captions."""
     import datasets
 
     if image_column == caption_column:
         raise UserError(f"--image_column and --caption_column are both '{image_column}'; give two names")
-    images, captions = read_caption_folder(path, default_caption, extension)
+    images, captions = read_caption_folder(path, default_caption, extension, every_line)
     features = datasets.Features({image_column: datasets.Image(),
                                   caption_column: datasets.Sequence(datasets.Value("string"))})
     train = datasets.Dataset.from_dict({image_column: images, caption_column: captions}, features=features)
@@ -125,24 +138,27 @@ def caption_folder_reader(args):
         if metadata_file(path) is not None:
             return None
         return load_caption_folder(path, args.image_column, args.caption_column, args.default_caption,
-                                   args.caption_extension)
+                                   args.caption_extension, args.enable_wildcard)
     return read
 
 
 def check_caption_args(args):
     """Before torch loads: a --train_data_dir without a metadata file is a caption folder, read once here so that its
-    mistakes are reported at once; --default_caption and --caption_extension only apply to one."""
+    mistakes are reported at once; --default_caption, --caption_extension and --enable_wildcard only apply to one."""
     args.caption_extension = caption_extension(args.caption_extension)
+    folder_only = [flag for flag, given in (("--default_caption", args.default_caption is not None),
+                                            ("--enable_wildcard", args.enable_wildcard)) if given]
     if args.dataset_name is not None:
-        if args.default_caption is not None:
-            raise UserError("--default_caption is for a --train_data_dir of images with .txt captions; a "
-                            "--dataset_name has its captions in --caption_column: drop --default_caption")
+        if folder_only:
+            raise UserError(f"{folder_only[0]} is for a --train_data_dir of images with .txt captions; a "
+                            "--dataset_name has its captions in --caption_column (a list: one picked per step): drop "
+                            f"{folder_only[0]}")
         return
     if not os.path.isdir(args.train_data_dir):
         return  # check_common_args says so
     metadata = metadata_file(args.train_data_dir)
     if metadata is None:
-        read_caption_folder(args.train_data_dir, args.default_caption, args.caption_extension)
-    elif args.default_caption is not None:
-        raise UserError(f"--default_caption is for a folder of images with .txt captions; '{args.train_data_dir}' is "
-                        f"an imagefolder ({metadata}) whose --caption_column has the captions: drop --default_caption")
+        read_caption_folder(args.train_data_dir, args.default_caption, args.caption_extension, args.enable_wildcard)
+    elif folder_only:
+        raise UserError(f"{folder_only[0]} is for a folder of images with .txt captions; '{args.train_data_dir}' is "
+                        f"an imagefolder ({metadata}) whose --caption_column has the captions: drop {folder_only[0]}")

@@ -26,17 +26,21 @@ SCHEDULER_CLASSES = {
 # holds by default (`_use_default_values`, e.g. SD 1.5's missing prediction_type), and the new class then uses
 # its own default (epsilon; linspace spacing), which silently differs from the training scheduler's.
 TRAINING_SETTINGS = ("num_train_timesteps", "beta_start", "beta_end", "beta_schedule", "trained_betas",
-                     "prediction_type", "timestep_spacing", "steps_offset", "rescale_betas_zero_snr")
+                     "prediction_type", "timestep_spacing", "steps_offset", "rescale_betas_zero_snr", "shift",
+                     "use_dynamic_shifting", "base_shift", "max_shift", "base_image_seq_len", "max_image_seq_len")
+# The flow-matching families' sampler: the pipelines' own (their schedulers' shifts kept)
+FLOW_SCHEDULER_CLASSES = {"euler": "FlowMatchEulerDiscreteScheduler"}
 
 
-def sampling_scheduler(name, training_config):
-    """A sampler `name` (a SCHEDULER_CLASSES key) with the training scheduler's settings (TRAINING_SETTINGS).
+def sampling_scheduler(name, training_config, classes=None):
+    """A sampler `name` (a key of `classes`, default SCHEDULER_CLASSES: a family's SAMPLERS) with the training
+    scheduler's settings (TRAINING_SETTINGS).
 
     training_config: the config of the scheduler the model was trained with (in memory or loaded from disk: the
     result is the same, so a run's validation images and sample.py's agree)."""
     import diffusers
 
-    cls = getattr(diffusers, SCHEDULER_CLASSES[name])
+    cls = getattr(diffusers, (classes or SCHEDULER_CLASSES)[name])
     accepted = inspect.signature(cls.__init__).parameters
     explicit = {key: training_config[key] for key in TRAINING_SETTINGS if key in training_config and key in accepted}
     return cls.from_config(training_config, **explicit)

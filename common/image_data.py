@@ -436,3 +436,35 @@ def caption_lists(values, column, prefix=""):
                             "not a caption or a list of captions")
         lists.append([prefix + caption for caption in options])
     return lists
+
+
+class Captions:
+    """The captions of a text-to-image run as indices into its distinct prompts (each embedded once): `prompts`
+    (sorted, "" among them for caption dropout, `extra` too: the validation prompts), `index` (prompt -> id),
+    `held_out_ids` (each held-out image's first caption), and `pick`, each training image's caption for an epoch."""
+
+    def __init__(self, args, train_ds, held_out_ds, extra=()):
+        import torch
+
+        train = caption_lists(train_ds[args.caption_column], args.caption_column, prefix=args.caption_prefix)
+        held_out = (caption_lists(held_out_ds[args.caption_column], args.caption_column, prefix=args.caption_prefix)
+                    if held_out_ds is not None else [])
+        distinct = {c for options in train + held_out for c in options}
+        self.distinct = len(distinct - {""})  # the distinct captions
+        self.prompts = sorted(distinct | {""} | set(extra))
+        self.index = {p: i for i, p in enumerate(self.prompts)}
+        self.train_ids = [[self.index[c] for c in options] for options in train]
+        self.held_out_ids = torch.tensor([self.index[c[0]] for c in held_out], dtype=torch.long)
+        self.seed, self.dropout = args.seed, args.caption_dropout_prob
+
+    def pick(self, indices, epoch):
+        """One caption per image, or "" with --caption_dropout_prob: a function of (seed, epoch, index)."""
+        import random
+
+        import torch
+
+        picked = []
+        for index in indices.tolist():
+            rng = random.Random(hash((self.seed, epoch, index)))
+            picked.append(self.index[""] if rng.random() < self.dropout else rng.choice(self.train_ids[index]))
+        return torch.tensor(picked)

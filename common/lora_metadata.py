@@ -1,30 +1,16 @@
 """What train_lora.py's LoRAs say about themselves: the safetensors metadata of the LoRA files (its own keys, kohya's
 ss_* keys as kohya's train_network.py writes them, and ModelSpec's modelspec.* keys: what A1111, ComfyUI and the
-model sites show; sample.py reads them back with common.stable_diffusion.describe_lora), and the model card."""
+model sites show; sample.py reads them back with common.lora_files.describe_lora), and the model card. What they say
+of the base comes from its family (common/families/: base_metadata)."""
 import json
 import os
-
-
-def base_model_metadata(unet_config, prediction_type):
-    """What LoRA metadata says of a Stable Diffusion base: kohya's ss_base_model_version and ss_v2, ModelSpec's
-    architecture and prediction type. SDXL's UNet takes the pooled text embedding and time ids (its addition_embed_type
-    "text_time"); SD 2's attends to 1024-wide text embeddings (SD 1's to 768); a v-prediction base adds kohya's `_v`."""
-    v2, v = unet_config.get("cross_attention_dim") == 1024, prediction_type == "v_prediction"
-    if unet_config.get("addition_embed_type") == "text_time":
-        return {"ss_base_model_version": "sdxl_base_v1-0" + ("_v" if v else ""), "ss_v2": "False",
-                "modelspec.architecture": "stable-diffusion-xl-v1-base/lora",
-                "modelspec.prediction_type": "v" if v else prediction_type}
-    architecture = ("stable-diffusion-v2-768-v" if v else "stable-diffusion-v2-512") if v2 else "stable-diffusion-v1"
-    return {"ss_base_model_version": ("sd_v2" if v2 else "sd_v1") + ("_v" if v else ""), "ss_v2": str(v2),
-            "modelspec.architecture": f"{architecture}/lora",
-            "modelspec.prediction_type": "v" if v else prediction_type}
 
 
 def lora_metadata(args, info, base_version, step, max_train_steps, num_images, mixed_precision, text_encoder_targets,
                   optimizer):
     """The safetensors metadata of the LoRA files (strings): this recipe's own keys (the base as given, the target
     modules, the trigger word: what sample.py prints), kohya's ss_* keys as its train_network.py writes them and
-    ModelSpec's modelspec.* (what A1111, ComfyUI and the model sites show). base_version: base_model_metadata's;
+    ModelSpec's modelspec.* (what A1111, ComfyUI and the model sites show). base_version: the family's base_metadata;
     optimizer: the optimizer class's name."""
     base, dataset, size = info["base_model"], args.dataset_name or args.train_data_dir, args.resolution
     name = os.path.basename(os.path.abspath(args.output_dir))
@@ -57,12 +43,12 @@ def lora_metadata(args, info, base_version, step, max_train_steps, num_images, m
     return {key: value for key, value in metadata.items() if value}  # no empty trigger or text encoder targets
 
 
-def lora_card(args, info, kind, steps, last_loss, ema, prompt):
+def lora_card(args, info, family, steps, last_loss, ema, prompt):
     """The model card's (title, summary, facts, usage) for common/reporting.py's write_model_card: what was trained on
-    what, and how to load it (kind: "sd" or "sdxl"; ema: the exported weights are the EMA ones; prompt: the usage
-    example's)."""
+    what, and how to load it (family: the base's family module; ema: the exported weights are the EMA ones; prompt:
+    the usage example's)."""
     base = args.pretrained_model_name_or_path
-    pipeline_class = "StableDiffusionXLPipeline" if kind == "sdxl" else "StableDiffusionPipeline"
+    pipeline_class = family.PIPELINE
     summary = (f"Trained with train_lora.py on `{args.dataset_name or args.train_data_dir}` for {steps} optimizer "
                f"steps. Sample: `python sample.py --model {args.output_dir} --prompt \"...\"`.")
     facts = {"base model": f"`{base}`" + (" (tiny, random-init: a smoke test, not a picture model)"

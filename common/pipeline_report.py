@@ -6,7 +6,7 @@ import os
 import re
 
 from .cli import UserError, first_line
-from .stable_diffusion import LORA_WEIGHTS, read_lora_info
+from .lora_files import LORA_WEIGHTS, read_lora_info
 
 
 # ---------------------------------------------------------------------------------------------- what it holds
@@ -35,7 +35,8 @@ def describe(pipe, labels, args):
     s = pipe.scheduler
     report["scheduler"] = {"class": type(s).__name__, **pick(s.config, [
         "num_train_timesteps", "beta_schedule", "beta_start", "beta_end", "prediction_type", "timestep_spacing",
-        "steps_offset", "clip_sample", "thresholding"]), "init_noise_sigma": float(s.init_noise_sigma),
+        "steps_offset", "clip_sample", "thresholding", "shift", "use_dynamic_shifting", "base_shift", "max_shift",
+        "base_image_seq_len", "max_image_seq_len"]), "init_noise_sigma": float(getattr(s, "init_noise_sigma", 1.0)),
         "order": s.order}
     name = "unet" if hasattr(pipe, "unet") else "transformer"
     model = getattr(pipe, name)
@@ -43,7 +44,9 @@ def describe(pipe, labels, args):
         "sample_size", "in_channels", "out_channels", "block_out_channels", "layers_per_block", "down_block_types",
         "cross_attention_dim", "attention_head_dim", "num_attention_heads", "num_class_embeds", "class_embed_type",
         "time_cond_proj_dim", "addition_embed_type", "addition_time_embed_dim",
-        "projection_class_embeddings_input_dim"])}  # SDXL: the pooled text embedding and time ids, added
+        "projection_class_embeddings_input_dim",  # SDXL: the pooled text embedding and time ids, added
+        "patch_size", "num_layers", "num_single_layers", "joint_attention_dim", "pooled_projection_dim",
+        "caption_projection_dim", "guidance_embeds", "axes_dims_rope"])}  # SD3, Flux's transformers
     # The config's head numbers are famously mislabelled in SD 1.x (attention_head_dim holds the head count):
     # count what the built modules really use.
     kinds = [f"{'cross' if m.is_cross_attention else 'self'}-attention ({m.heads} heads x {m.inner_dim // m.heads} "
@@ -58,7 +61,8 @@ def describe(pipe, labels, args):
         if comp_name.startswith("text_encoder") and comp is not None:
             report.setdefault("text_encoders", {})[comp_name] = {"class": type(comp).__name__, **pick(
                 comp.config.to_dict(), ["hidden_size", "num_hidden_layers", "num_attention_heads",
-                                        "max_position_embeddings", "vocab_size", "projection_dim"])}
+                                        "max_position_embeddings", "vocab_size", "projection_dim",
+                                        "d_model", "num_layers", "num_heads"])}  # (T5's names)
         if comp_name.startswith("tokenizer") and comp is not None:
             report.setdefault("tokenizers", {})[comp_name] = {
                 "class": type(comp).__name__, "model_max_length": comp.model_max_length, "vocab_size": len(comp),
@@ -71,25 +75,57 @@ def describe(pipe, labels, args):
                                                                  "block_out_channels"]),
                          "downsampling_factor": factor, "image_shape": [args.num_images, 3, height, width],
                          "latent_shape": [args.num_images, c.latent_channels, height // factor, width // factor]}
+        family = pipeline_family(pipe)
+        if family is not None and hasattr(family, "packed_shape"):  # Flux: the transformer sees 2 x 2 patches
+            report["vae"]["packed_latent_shape"] = family.packed_shape(report["vae"]["latent_shape"])
     else:
         report["image_shape"] = [args.num_images, model.config.in_channels, height, width]
     return report
 
 
+def pipeline_family(pipe):
+    """The family module (common/families/) of a pipeline of one, else None."""
+    from .families import FAMILIES, family_module
+
+    name = FAMILIES.get(type(pipe).__name__)
+    return family_module(name) if name else None
+
+
 def image_size(pipe, args):
-    """The call's image size: --height/--width, checked against the VAE, or the pipeline's default."""
-    size = (getattr(pipe, "unet", None) or pipe.transformer).config.sample_size
-    size = (size, size) if isinstance(size, int) else tuple(size)
+    """The call's image size: --height/--width, checked against the VAE (and a family's patches), or the pipeline's
+    default (a family's own: common/families/ sample_size)."""
+    family = pipeline_family(pipe)
     if getattr(pipe, "vae", None) is None:
+        size = pipe.unet.config.sample_size
+        size = (size, size) if isinstance(size, int) else tuple(size)
         if args.height or args.width:
             raise UserError(f"--height/--width: {type(pipe).__name__} samples at its UNet's sample_size {size}")
         return size
-    factor = pipe.vae_scale_factor
-    height, width = args.height or size[0] * factor, args.width or size[1] * factor
+    factor, why = pipe.vae_scale_factor, "the VAE's downsampling factor"
+    if family is not None:
+        denoiser = getattr(pipe, family.DENOISER)
+        factor = family.resolution_factor({"vae": pipe.vae.config, family.DENOISER: denoiser.config})
+        default, why = family.sample_size(pipe), family.RESOLUTION_FACTOR
+    else:
+        size = (getattr(pipe, "unet", None) or pipe.transformer).config.sample_size
+        default = (size * factor, size * factor) if isinstance(size, int) else (size[0] * factor, size[1] * factor)
+    height, width = args.height or default[0], args.width or default[1]
     for flag, value in (("--height", height), ("--width", width)):
         if value % factor:
-            raise UserError(f"{flag} {value} is not divisible by {factor}, the VAE's downsampling factor")
+            raise UserError(f"{flag} {value} is not divisible by {factor}, {why}")
     return height, width
+
+
+def pipeline_guidance(pipe):
+    """The guidance scale a call gets by default here: the family's (sample.py's), else Stable Diffusion's 7.5."""
+    family = pipeline_family(pipe)
+    return family.SAMPLE_GUIDANCE if family is not None else 7.5
+
+
+def unpack_latents(pipe, latents, height, width):
+    """A call's latents as the VAE takes them (Flux's packed ones unpacked)."""
+    family = pipeline_family(pipe)
+    return family.unpack_latents(pipe, latents, height, width) if family is not None else latents
 
 
 def load_lora(pipe, args):
@@ -206,9 +242,10 @@ def print_trace(t):
                 info["timesteps"] = f"{fmt(info['timesteps'][:5])[:-1]}, ..., {fmt(info['timesteps'][-3:])[1:]}"
             print(f"  {s['ms']:>9.2f}  {s['stage']}  {fmt(info)}")
             continue
-        unet_in = " + ".join(f"{k} {fmt(v)}" for k, v in s["unet_in"].items())
+        name = "unet" if "unet_in" in s else "transformer"
+        given = " + ".join(f"{k} {fmt(v)}" for k, v in s[f"{name}_in"].items())
         guidance = f" | {s['guidance']['ms']:.2f} ms guidance -> {fmt(s['guidance']['out'])}" if "guidance" in s else ""
-        print(f"  {s['unet_ms']:>9.2f}  step {s['step']} t={s['t']}: unet({unet_in}) -> {fmt(s['unet_out'])}{guidance}"
-              f" | {s['scheduler_ms']:.2f} ms scheduler.step -> {fmt(s['latents'])}")
+        print(f"  {s[f'{name}_ms']:>9.2f}  step {s['step']} t={s['t']}: {name}({given}) -> {fmt(s[f'{name}_out'])}"
+              f"{guidance} | {s['scheduler_ms']:.2f} ms scheduler.step -> {fmt(s['latents'])}")
     print(f"  {t['total_ms']:>9.2f}  total (wall time of the call)")
 

@@ -9,9 +9,9 @@ import time
 
 from .cli import UserError, first_line
 from .diffusion import DEFAULT_GUIDANCE_SCALE, sample_images, to_pil
-from .pipeline_report import image_size
+from .pipeline_report import image_size, pipeline_guidance, unpack_latents
 from .pipelines import class_label_ids
-from .stable_diffusion import decode_fp32
+from .vae import decode_fp32
 
 
 # ---------------------------------------------------------------------------------------------- the recorder
@@ -73,34 +73,43 @@ class CallRecorder:
 
 
 # ---------------------------------------------------------------------------------------------- what it does
-def watch_denoiser(rec, unet, scheduler, trajectory_steps):
-    """One 'denoise' stage per denoiser call: a forward hook on the unet, a wrapped scheduler.step (and what ran
-    between them: the guidance combine), the timesteps from a wrapped set_timesteps; x0 kept at chosen steps."""
+def watch_denoiser(rec, unet, scheduler, trajectory_steps, name="unet"):
+    """One 'denoise' stage per denoiser call: a forward hook on the denoiser (component `name`: its inputs and output
+    are kept as <name>_in, <name>_out), a wrapped scheduler.step (and what ran between them: the guidance combine),
+    the timesteps (and a flow-matching scheduler's sigmas) from a wrapped set_timesteps; x0 kept at chosen steps."""
     rec.step, rec.x0, rec.keep, rec.calls, rec.initial_noise = None, [], set(), 0, None
+    given, made, took = f"{name}_in", f"{name}_out", f"{name}_ms"
+    flow = not hasattr(scheduler, "alphas_cumprod")  # a flow-matching scheduler: x_t = x0 + sigma * velocity
 
     def pre(module, a, kw):
-        inputs = {"sample": shape(a[0] if a else kw["sample"])}
+        inputs = {"sample": shape(a[0] if a else kw.get("sample", kw.get("hidden_states")))}
         cond = kw.get("encoder_hidden_states", a[2] if len(a) > 2 else None)
         if cond is not None:
             inputs["encoder_hidden_states"] = shape(cond)
         for key, value in (kw.get("added_cond_kwargs") or {}).items():  # SDXL: the pooled text_embeds, time_ids
             inputs[key] = shape(value)
+        for key in ("pooled_projections", "txt_ids", "img_ids"):  # SD3, Flux: the pooled text, the position ids
+            if kw.get(key) is not None:
+                inputs[key] = shape(kw[key])
+        if kw.get("guidance") is not None:  # Flux.1-dev: the guidance is an input, not a second pass
+            inputs["guidance"] = {"shape": shape(kw["guidance"]), "value": scalar(kw["guidance"].flatten()[0])}
         if kw.get("class_labels") is not None:
             inputs["class_labels"] = kw["class_labels"].tolist()
+        t = a[1] if len(a) > 1 else kw["timestep"]
         rec.step = {"stage": "denoise", "step": sum(s["stage"] == "denoise" for s in rec.stages),
-                    "t": scalar(a[1] if len(a) > 1 else kw["timestep"]), "unet_in": inputs}
+                    "t": scalar(t.flatten()[0] if hasattr(t, "flatten") else t), given: inputs}
         rec.stages.append(rec.step)
         rec.unet_start = rec.clock()
 
     def post(module, a, kw, output):
         rec.unet_end = rec.clock()
-        rec.step.update(unet_ms=round((rec.unet_end - rec.unet_start) * 1e3, 3), unet_out=shape(output[0]))
+        rec.step.update({took: round((rec.unet_end - rec.unet_start) * 1e3, 3), made: shape(output[0])})
 
     def on_step(a, kw, out, ms, start):
         model_output, t = (a[0] if a else kw["model_output"]), (a[1] if len(a) > 1 else kw["timestep"])
         sample = a[2] if len(a) > 2 else kw["sample"]
-        if rec.step["unet_out"][0] != shape(model_output)[0]:  # uncond + w * (cond - uncond) ran in between
-            rec.step["guidance"] = {"in": rec.step["unet_out"], "out": shape(model_output),
+        if rec.step[made][0] != shape(model_output)[0]:  # uncond + w * (cond - uncond) ran in between
+            rec.step["guidance"] = {"in": rec.step[made], "out": shape(model_output),
                                     "ms": round((start - rec.unet_end) * 1e3, 3)}
         prev = out[0] if isinstance(out, tuple) else out.prev_sample
         rec.step.update(scheduler_in=shape(model_output), scheduler_ms=round(ms, 3), latents=shape(prev))
@@ -110,6 +119,8 @@ def watch_denoiser(rec, unet, scheduler, trajectory_steps):
         if index in rec.keep:  # schedulers return (prev_sample, pred_original_sample) when they compute x0
             x0 = out[1] if isinstance(out, tuple) and len(out) > 1 else getattr(out, "pred_original_sample", None)
             source = "pred_original_sample"
+            if x0 is None and flow:  # the model predicts the velocity noise - x0
+                x0, source = sample - scheduler.sigmas[index].to(sample.device) * model_output, "sigmas"
             if x0 is None:  # multistep solvers (DPM, UniPC, PNDM) do not return it: invert the noise schedule
                 x0, source = x0_from_prediction(scheduler, model_output, t, sample), "alphas_cumprod"
             rec.x0.append({"step": index, "t": scalar(t), "source": source, "x0": x0[:1].detach().float().cpu()})
@@ -118,7 +129,9 @@ def watch_denoiser(rec, unet, scheduler, trajectory_steps):
         timesteps = [scalar(t) for t in scheduler.timesteps]
         n, k = len(timesteps), min(trajectory_steps, len(timesteps))
         rec.keep = {round(i * (n - 1) / max(k - 1, 1)) for i in range(k)} if k else set()  # first ... last
-        rec.add("scheduler.set_timesteps", ms, num_inference_steps=n, timesteps=timesteps)
+        sigmas = {"sigmas": [round(float(s), 4) for s in scheduler.sigmas]} if flow else {}
+        shift = {"mu": round(float(kw["mu"]), 4)} if kw.get("mu") is not None else {}  # Flux: the shift by image size
+        rec.add("scheduler.set_timesteps", ms, num_inference_steps=n, timesteps=timesteps, **sigmas, **shift)
 
     rec.hook(unet, pre, post)
     rec.wrap(scheduler, "step", on_step)
@@ -152,18 +165,27 @@ def trace_sd(pipe, args, rec, generator, steps_kept):
                     states["hidden_states[-2]"] = shape(output.hidden_states[-2])
                 if getattr(output, "text_embeds", None) is not None:  # the pooled, projected embedding (SDXL's 2nd)
                     states["text_embeds"] = shape(output.text_embeds)
+                if getattr(output, "pooler_output", None) is not None:  # CLIP's pooled embedding (Flux's)
+                    states["pooler_output"] = shape(output.pooler_output)
                 rec.add(name, (rec.clock() - rec.text_start) * 1e3, input_ids=rec.text_in, **states,
                         text="prompt" if calls[name] == 1 else "negative prompt")
             rec.hook(component, pre, post)
     if hasattr(pipe, "_get_add_time_ids"):  # SDXL: original size, crop top-left, target size; once per call
         rec.wrap(pipe, "_get_add_time_ids", lambda a, kw, out, ms, start: rec.add(
             "_get_add_time_ids", ms, time_ids=shape(out), values=[scalar(v) for v in out[0]]))
-    rec.wrap(pipe, "prepare_latents", lambda a, kw, out, ms, start: rec.add(
-        "prepare_latents", ms, latents=shape(out), init_noise_sigma=float(pipe.scheduler.init_noise_sigma)))
-    watch_denoiser(rec, pipe.unet, pipe.scheduler, steps_kept)
+    def on_prepare_latents(a, kw, out, ms, start):  # Flux: (packed latents, their position ids)
+        latents, ids = out if isinstance(out, tuple) else (out, None)
+        rec.add("prepare_latents", ms, latents=shape(latents), **({"latent_image_ids": shape(ids)} if ids is not None
+                                                                  else {}),
+                init_noise_sigma=float(getattr(pipe.scheduler, "init_noise_sigma", 1.0)))
+
+    rec.wrap(pipe, "prepare_latents", on_prepare_latents)
+    name = "unet" if hasattr(pipe, "unet") else "transformer"
+    watch_denoiser(rec, getattr(pipe, name), pipe.scheduler, steps_kept, name)
+    shift = f" + shift_factor {pipe.vae.config.shift_factor}" if pipe.vae.config.get("shift_factor") else ""
     rec.wrap(pipe.vae, "decode", lambda a, kw, out, ms, start: rec.add(
         "vae.decode", ms, latents=shape(a[0] if a else kw["z"]), image=shape(out[0]),
-        note=f"in: latents / scaling_factor {pipe.vae.config.scaling_factor}; out: pixels in [-1, 1]"))
+        note=f"in: latents / scaling_factor {pipe.vae.config.scaling_factor}{shift}; out: pixels in [-1, 1]"))
     rec.wrap(pipe.image_processor, "postprocess", lambda a, kw, out, ms, start: rec.add(
         "image_processor.postprocess", ms, image=shape(a[0] if a else kw["image"]),
         output=f"{len(out)} x {type(out[0]).__name__} {getattr(out[0], 'size', '')}"))
@@ -177,13 +199,13 @@ def trace_sd(pipe, args, rec, generator, steps_kept):
               if k in getattr(pipe, "_callback_tensor_inputs", [])]
     try:
         images = pipe(args.prompt, num_inference_steps=args.num_inference_steps, height=height, width=width,
-                      guidance_scale=7.5 if args.guidance_scale is None else args.guidance_scale,
+                      guidance_scale=pipeline_guidance(pipe) if args.guidance_scale is None else args.guidance_scale,
                       num_images_per_prompt=args.num_images, generator=generator, callback_on_step_end=on_step_end,
                       callback_on_step_end_tensor_inputs=inputs).images
     except ValueError as err:
         raise UserError(f"{type(pipe).__name__} refused the call: {first_line(err)}") from None
     time_ids = "_get_add_time_ids, " if hasattr(pipe, "_get_add_time_ids") else ""
-    how = (f"{type(pipe).__name__}.__call__, recorded by forward hooks on the text encoder(s) and unet, wrappers "
+    how = (f"{type(pipe).__name__}.__call__, recorded by forward hooks on the text encoder(s) and {name}, wrappers "
            f"around {time_ids}prepare_latents, scheduler.set_timesteps/step, vae.decode and "
            "image_processor.postprocess, and callback_on_step_end")
     if getattr(pipe.config, "force_zeros_for_empty_prompt", False) and any("guidance" in s for s in rec.stages):
@@ -243,7 +265,8 @@ def trace(pipe, args, labels, device):
         report["trajectory"] = [{k: v for k, v in p.items() if k != "x0"} for p in rec.x0]
         x0 = torch.cat([p["x0"] for p in rec.x0])
         if sd:  # decoded after the call, so not traced; in fp32, as fp16 VAEs decode to black
-            panels = decode_fp32(pipe, x0.to(device))
+            height, width = image_size(pipe, args)
+            panels = decode_fp32(pipe, unpack_latents(pipe, x0.to(device), height, width))
         else:
             panels = to_pil((x0 / 2 + 0.5).clamp(0, 1))
     return report, images, panels

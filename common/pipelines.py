@@ -4,16 +4,18 @@ import json
 import os
 
 from .args import is_hub_id
+from .base_models import TINY_HINT
 from .cli import UserError
-from .stable_diffusion import LORA_INFO, LORA_WEIGHTS, TINY_HINT
+from .families import FAMILIES, read_model_index
+from .lora_files import LORA_INFO, LORA_WEIGHTS
 
 LABELS = "labels.json"  # train_ddpm.py's class names, in id order
 
 
 def model_kind(path, flag=None):
     """-> what `path` holds, one of
-    "sd":          a pipeline folder (model_index.json) with a VAE: Stable Diffusion, or another latent pipeline;
-    "sdxl":        a Stable Diffusion XL pipeline folder;
+    "sd", "sdxl", "sd3", "flux": a pipeline folder (model_index.json) of that family (common/families/); "sd" also
+                   for another latent pipeline (with a VAE);
     "ddpm":        a pipeline folder without a VAE: a train_ddpm.py output (DDPMPipeline);
     "checkpoint":  a train_ddpm.py checkpoint-N: unet/ (and unet_ema/ with --use_ema), scheduler/, no model_index.json;
     "lora":        a train_lora.py output or checkpoint-N (lora_info.json, pytorch_lora_weights.safetensors);
@@ -21,17 +23,10 @@ def model_kind(path, flag=None):
     Anything else is a UserError; `flag` names the flag in its message."""
     where = f"{flag} '{path}'" if flag else f"'{path}'"
     if os.path.isdir(path):
-        index_file = os.path.join(path, "model_index.json")
-        if os.path.isfile(index_file):
-            try:
-                with open(index_file) as f:
-                    index = json.load(f)
-            except (OSError, ValueError) as err:
-                raise UserError(f"{where}: its model_index.json does not read ({err})") from None
-            if not isinstance(index, dict):
-                raise UserError(f"{where}: its model_index.json is not a json object")
-            if str(index.get("_class_name", "")).startswith("StableDiffusionXL"):
-                return "sdxl"
+        if os.path.isfile(os.path.join(path, "model_index.json")):
+            index = read_model_index(path, flag or "the model")
+            if index.get("_class_name") in FAMILIES:
+                return FAMILIES[index["_class_name"]]
             return "sd" if index.get("vae") else "ddpm"
         if any(os.path.isfile(os.path.join(path, name)) for name in (LORA_INFO, LORA_WEIGHTS)):
             return "lora"

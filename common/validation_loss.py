@@ -2,8 +2,9 @@
 images the run never trains on, at fixed timesteps and with fixed noise, so that the curve is comparable from one
 validation to the next (a rising one is over-fitting) and between runs on the same data.
 
-Every held-out image is seen at TIMESTEPS timesteps, one in each equal slice of [0, T), spread over the images; the
-latent is the mean of the VAE's latent distribution (no sampling) and the noise comes from a generator seeded once.
+Every held-out image is seen at TIMESTEPS timesteps (DDPM) or sigmas (flow matching), one in each equal slice of the
+schedule, spread over the images; the latent is the mean of the VAE's latent distribution (no sampling), the noise
+comes from a generator seeded once, and the loss is the objective's (common/objectives.py), unweighted.
 The images are shared out between processes and the sums reduced, so the value does not depend on the process count
 beyond float rounding.
 """
@@ -33,67 +34,60 @@ def load_with_validation(args, **load_kwargs):
 
 
 class HeldOutLoss:
-    """loss = HeldOutLoss(held_out, encode, vae_config, prompt_ids, ...); loss(unet, embed) -> float (every process).
+    """loss = HeldOutLoss(held_out, encode, vae_config, prompt_ids, objective, ...); loss(model, predict, embed) ->
+    float (every process).
 
     held_out: an ImageDataset of the held-out images (no flips; buckets allowed); encode(pixels) -> the VAE's latent
-    parameters; prompt_ids: each image's key for `embed` (its prompt's index); embed(ids) -> encoder hidden states,
-    or (encoder hidden states, the UNet's added_cond_kwargs) for SDXL.
+    parameters; prompt_ids: each image's key for `embed` (its prompt's index); objective: the family's
+    (common/objectives.py); predict(noisy, timesteps, cond) -> the denoiser's prediction; embed(ids) -> the
+    conditioning dict the family's denoiser takes (SDXL's time ids included).
     """
 
-    def __init__(self, held_out, encode, vae_config, prompt_ids, num_train_timesteps, accelerator, seed,
-                 batch_size):
+    def __init__(self, held_out, encode, vae_config, prompt_ids, objective, accelerator, seed, batch_size):
         import torch
 
+        from .vae import mean_latents
+
         n, k = len(held_out), TIMESTEPS
-        self.accelerator, self.batch_size = accelerator, batch_size
+        self.accelerator, self.batch_size, self.objective = accelerator, batch_size, objective
         generator = torch.Generator().manual_seed(seed)
-        shift, scale = vae_config.shift_factor or 0.0, vae_config.scaling_factor
-        items = []  # (latent, noise, timestep, prompt id) of this process's share, grouped by shape below
+        items = []  # (latent, noise, fraction of the schedule, prompt id) of this process's share, grouped by shape
         for i in range(n):
-            params = encode(held_out[i]["pixel_values"][None])[0].cpu().float()
-            latent = (params.chunk(2)[0] - shift) * scale  # the distribution's mean: no sampling
+            latent = mean_latents(encode(held_out[i]["pixel_values"][None])[0].cpu().float(), vae_config)
             for j in range(k):
                 noise = torch.randn(latent.shape, generator=generator)  # drawn for every item on every process
-                timestep = int((j + (i + 0.5) / n) / k * num_train_timesteps)
                 if (i * k + j) % accelerator.num_processes == accelerator.process_index:
-                    items.append((latent, noise, timestep, prompt_ids[i]))
+                    items.append((latent, noise, (j + (i + 0.5) / n) / k, prompt_ids[i]))
         self.batches = []
         for shape in sorted({tuple(item[0].shape) for item in items}):
             same = [item for item in items if tuple(item[0].shape) == shape]
             for start in range(0, len(same), batch_size):
-                latents, noise, timesteps, ids = zip(*same[start:start + batch_size])
-                self.batches.append((torch.stack(latents), torch.stack(noise), torch.tensor(timesteps),
+                latents, noise, fractions, ids = zip(*same[start:start + batch_size])
+                self.batches.append((torch.stack(latents), torch.stack(noise), objective.fixed_timesteps(fractions),
                                      torch.tensor(ids)))
         self.count = n * k
         self.losses = {}  # step -> val/loss, as logged
 
-    def log(self, step, unet, embed, scheduler):
+    def log(self, step, model, predict, embed):
         """The loss now (see __call__), kept in `losses` and logged to the trackers as val/loss."""
-        self.losses[step] = self(unet, embed, scheduler)
+        self.losses[step] = self(model, predict, embed)
         self.accelerator.log({"val/loss": self.losses[step]}, step=step)
 
     def results(self):
         """What all_results.json gets: the last value and the curve."""
         return {"validation_loss": self.losses[max(self.losses)], "validation_losses": self.losses}
 
-    def __call__(self, unet, embed, scheduler):
-        """The mean loss (MSE against the scheduler's target, unweighted) of `unet` (unwrapped) over all items."""
+    def __call__(self, model, predict, embed):
+        """The mean loss (the objective's, unweighted) of the denoiser `model` (unwrapped; in eval mode meanwhile)
+        over all items."""
         import torch
-        import torch.nn.functional as F
 
-        from .diffusion import diffusion_target
-
-        device, training = self.accelerator.device, unet.training
-        unet.eval()
+        device, training = self.accelerator.device, model.training
+        model.eval()
         total = torch.zeros((), device=device, dtype=torch.float64)
         with torch.no_grad(), self.accelerator.autocast():
             for latents, noise, timesteps, ids in self.batches:
-                latents, noise, timesteps = latents.to(device), noise.to(device), timesteps.to(device)
-                noisy = scheduler.add_noise(latents, noise, timesteps)
-                target = diffusion_target(scheduler, latents, noise, timesteps)
-                condition = embed(ids)
-                hidden, added = condition if isinstance(condition, tuple) else (condition, None)
-                pred = unet(noisy, timesteps, hidden, added_cond_kwargs=added, return_dict=False)[0]
-                total += F.mse_loss(pred.float(), target.float(), reduction="none").mean(dim=(1, 2, 3)).sum()
-        unet.train(training)
+                noised = self.objective.at(latents.to(device), noise.to(device), timesteps, weighted=False)
+                total += self.objective.losses(predict(noised.noisy, noised.timesteps, embed(ids)), noised).sum()
+        model.train(training)
         return (self.accelerator.reduce(total, "sum") / self.count).item()

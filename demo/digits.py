@@ -7,7 +7,8 @@ text three times and three times with a suffix of neutral words (", thin scanned
 data/digits-red-ink/{train,test}/: the same digits in a style the base never sees, dark red ink on light paper,
 captioned "a handwritten digit seven, red ink on paper": the style LoRA's data.
 data/digits-captions/<digit>/: the train split's images again, each with a same-name .txt of its captions (the
-metadata's `captions`, one per line): the caption-file layout that the Stable Diffusion trainers read too.
+metadata's `captions`, one per line): the caption-file layout that the Stable Diffusion trainers read too (every line
+with --enable_wildcard, else the first).
 """
 import argparse
 import json

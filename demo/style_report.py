@@ -35,7 +35,7 @@ def main(args):
         sampling_scheduler,
         to_pil,
     )
-    from common.stable_diffusion import read_lora_info
+    from common.lora_files import read_lora_info
     from demo.digit_eval import Judge, digit_prompts, generate, score
 
     info = read_lora_info(args.lora)

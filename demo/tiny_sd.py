@@ -1,4 +1,4 @@
-"""`python -m demo.tiny_sd`: a random-init Stable Diffusion (or SDXL) pipeline, built locally, for offline runs.
+"""`python -m demo.tiny_sd`: a random-init Stable Diffusion (SDXL, SD3, Flux.1) pipeline, built locally, offline.
 
 The same layout as stable-diffusion-v1-5 (UNet2DConditionModel, AutoencoderKL, CLIPTextModel, CLIPTokenizer,
 DDPMScheduler with SD's betas), so `StableDiffusionPipeline.from_pretrained` loads it and train_lora.py trains on it
@@ -11,17 +11,24 @@ with cross-attention at both levels, a 2-layer CLIP text encoder (77 tokens).
 --architecture sd15: Stable Diffusion 1.5's own architecture from its public configs (UNet 860 M parameters, VAE
 84 M, CLIP ViT-L/14 text encoder 123 M), 512 px -> 64x64x4 latents: what GPU speed and memory are measured on
 (`make bench-gpu`). About 4 GB on disk; build it on a GPU (--device cuda) if one is there.
+--architecture sd2: Stable Diffusion 2.1's (OpenCLIP ViT-H/14 text tower, 1024-wide cross-attention), likewise.
 --architecture tiny-sdxl (`make tiny-sdxl`): the same for Stable Diffusion XL (StableDiffusionXLPipeline): two text
 encoders (CLIPTextModel and CLIPTextModelWithProjection, 32- and 64-wide: the UNet attends to their 96-wide
 concatenation and takes the second's pooled embedding and the six size "time ids" through its added conditioning),
 a 2-level UNet with SDXL's block layout (no attention at the top level), the tiny VAE, SDXL's Euler scheduler.
 --architecture sdxl: SDXL's own architecture from its public configs (UNet 2.6 G parameters, VAE 84 M, text encoders
 123 M and 695 M), 1024 px -> 128x128x4 latents, for `make bench-gpu`; about 14 GB on disk (--device cuda).
+--architecture tiny-sd3, tiny-flux (`make tiny-sd3`, `make tiny-flux`), sd3, flux: Stable Diffusion 3 and Flux.1
+(StableDiffusion3Pipeline, FluxPipeline; transformer, 16-channel VAE, CLIP and T5 encoders, flow-matching scheduler),
+tiny (32 px, about 5 MB) or at the real sizes of SD3 Medium (transformer 2.0 G parameters) and Flux.1-dev (11.9 G), in
+bfloat16; see demo/tiny_flow.py.
 """
 import argparse
 import json
 import os
 import shutil
+
+from common.text_encoder_keys import add_text_model_prefix
 
 # The public configs of stable-diffusion-v1-5 (unet/config.json, vae/config.json) and of CLIP ViT-L/14's text
 # tower (its text_encoder/config.json); only the vocabulary differs: the byte-level one below has 514 tokens, the
@@ -38,6 +45,17 @@ SD15 = {
                 layers_per_block=2, norm_num_groups=32, sample_size=512, scaling_factor=0.18215),
     "text": dict(vocab_size=49408, hidden_size=768, intermediate_size=3072, num_hidden_layers=12,
                  num_attention_heads=12, max_position_embeddings=77, projection_dim=768, hidden_act="quick_gelu"),
+}
+
+# stable-diffusion-2-1's public configs: the same VAE; the UNet attends to OpenCLIP ViT-H/14's text tower (1024 wide,
+# GELU; diffusers keeps its first 23 of 24 layers, as SD 2 reads the penultimate one) through linear projections,
+# with 64-channel attention heads.
+SD2 = {
+    "unet": {**SD15["unet"], "sample_size": 96, "cross_attention_dim": 1024, "attention_head_dim": (5, 10, 20, 20),
+             "use_linear_projection": True},
+    "vae": {**SD15["vae"], "sample_size": 768},
+    "text": dict(vocab_size=49408, hidden_size=1024, intermediate_size=4096, num_hidden_layers=23,
+                 num_attention_heads=16, max_position_embeddings=77, projection_dim=512, hidden_act="gelu"),
 }
 
 
@@ -66,6 +84,22 @@ def byte_level_vocab():
     symbols = list(bytes_to_unicode().values())
     tokens = symbols + [s + "</w>" for s in symbols] + ["<|startoftext|>", "<|endoftext|>"]
     return {token: i for i, token in enumerate(tokens)}
+
+
+def clip_config(config, vocab):
+    """-> CLIPTextConfig for a text tower of `config`'s sizes on the byte-level vocabulary."""
+    from transformers import CLIPTextConfig
+
+    return CLIPTextConfig(**{"vocab_size": len(vocab), **config}, bos_token_id=vocab["<|startoftext|>"],
+                          eos_token_id=vocab["<|endoftext|>"], pad_token_id=vocab["<|endoftext|>"])
+
+
+def write_clip_vocab_files(folder):
+    """The classic vocab.json and merges.txt beside tokenizer.json, which older transformers versions read."""
+    with open(os.path.join(folder, "vocab.json"), "w") as f:
+        json.dump(byte_level_vocab(), f, ensure_ascii=False)
+    with open(os.path.join(folder, "merges.txt"), "w") as f:
+        f.write("#version: 0.2\n")
 
 
 def tiny_configs(unet_channels=(32, 64), text_dim=32):
@@ -113,19 +147,16 @@ def build_random_sd(configs, seed=0, device="cpu"):
         StableDiffusionXLPipeline,
         UNet2DConditionModel,
     )
-    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
+    from transformers import CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
 
     torch.manual_seed(seed)
     vocab = byte_level_vocab()
     tokenizer = CLIPTokenizer(vocab=vocab, merges=[], model_max_length=77)
 
-    def text_config(config):
-        return CLIPTextConfig(**{"vocab_size": len(vocab), **config}, bos_token_id=vocab["<|startoftext|>"],
-                              eos_token_id=vocab["<|endoftext|>"], pad_token_id=vocab["<|endoftext|>"])
-
     with torch.device(device):  # a large model initialises far faster on a GPU
-        text_encoder = CLIPTextModel(text_config(configs["text"]))
-        text_encoder_2 = CLIPTextModelWithProjection(text_config(configs["text_2"])) if "text_2" in configs else None
+        text_encoder = CLIPTextModel(clip_config(configs["text"], vocab))
+        text_2 = configs.get("text_2")
+        text_encoder_2 = CLIPTextModelWithProjection(clip_config(text_2, vocab)) if text_2 else None
         vae = AutoencoderKL(**configs["vae"])
         if "scaling_factor" not in configs["vae"]:
             with torch.no_grad():  # scale the random VAE's latents to unit variance, as SD's 0.18215 does for its own
@@ -154,42 +185,64 @@ def build_tiny_sd(unet_channels=(32, 64), text_dim=32, seed=0):
     return build_random_sd(tiny_configs(unet_channels, text_dim), seed)
 
 
+# What each --architecture is, for the model card and the message.
+WHAT = {"tiny": "tiny Stable Diffusion", "sd15": "Stable Diffusion 1.5 architecture",
+        "sd2": "Stable Diffusion 2.1 architecture", "tiny-sdxl": "tiny Stable Diffusion XL",
+        "sdxl": "Stable Diffusion XL architecture",
+        "tiny-sd3": "tiny Stable Diffusion 3", "sd3": "Stable Diffusion 3 Medium architecture",
+        "tiny-flux": "tiny Flux.1", "flux": "Flux.1-dev architecture"}
+FLOW = ("tiny-sd3", "tiny-flux", "sd3", "flux")  # the flow-matching transformers: demo/tiny_flow.py
+
+
 def write_tiny_sd(output_dir, architecture="tiny", seed=0, device="cpu", **kwargs):
     """Build and save; the folder appears under its final name only when complete. -> the number of parameters."""
-    configs = {"sd15": SD15, "sdxl": SDXL, "tiny-sdxl": tiny_sdxl_configs(**kwargs)}.get(architecture) \
-        or tiny_configs(**kwargs)
-    pipe = build_random_sd(configs, seed, device)
+    if architecture in FLOW:
+        import torch
+
+        from demo.tiny_flow import CONFIGS, build_random_flow
+
+        # the real sizes in 16 bits, as published (Flux.1-dev's in float32 would take 67 GB)
+        dtype = None if architecture.startswith("tiny") else torch.bfloat16
+        pipe = build_random_flow(CONFIGS[architecture](), seed, device, dtype)
+    else:
+        configs = {"sd15": SD15, "sd2": SD2, "sdxl": SDXL, "tiny-sdxl": tiny_sdxl_configs(**kwargs)}.get(architecture) \
+            or tiny_configs(**kwargs)
+        pipe = build_random_sd(configs, seed, device)
     output_dir = output_dir.rstrip("/")
     tmp = output_dir + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     pipe.save_pretrained(tmp, safe_serialization=True)
-    vocab = byte_level_vocab()  # also the classic files, which older transformers versions read
-    for tokenizer in ("tokenizer", "tokenizer_2"):
-        if os.path.isdir(os.path.join(tmp, tokenizer)):
-            with open(os.path.join(tmp, tokenizer, "vocab.json"), "w") as f:
-                json.dump(vocab, f, ensure_ascii=False)
-            with open(os.path.join(tmp, tokenizer, "merges.txt"), "w") as f:
-                f.write("#version: 0.2\n")
+    for name in pipe.components:
+        if name.startswith("text_encoder"):  # (a CLIPTextModel's: the key names ComfyUI's CLIP loader reads)
+            add_text_model_prefix(os.path.join(tmp, name))
+    for name, component in pipe.components.items():
+        if type(component).__name__.startswith("CLIPTokenizer"):
+            write_clip_vocab_files(os.path.join(tmp, name))
+    # transformers 5 calls its tokenizer.json T5 tokenizer T5Tokenizer; the published folders name it T5TokenizerFast,
+    # which transformers 5 and 4 both load from tokenizer.json (4's T5Tokenizer needs a SentencePiece file instead).
+    with open(os.path.join(tmp, "model_index.json")) as f:
+        index = json.load(f)
+    t5 = [k for k, v in index.items() if v == ["transformers", "T5Tokenizer"]]
+    if t5:
+        with open(os.path.join(tmp, "model_index.json"), "w") as f:
+            f.write(json.dumps({**index, **{k: ["transformers", "T5TokenizerFast"] for k in t5}}, indent=2,
+                               sort_keys=True) + "\n")
     with open(os.path.join(tmp, "README.md"), "w") as f:
-        what = {"sd15": "Stable Diffusion 1.5 architecture", "sdxl": "Stable Diffusion XL architecture",
-                "tiny-sdxl": "tiny Stable Diffusion XL"}.get(architecture, "tiny Stable Diffusion")
-        f.write(f"# {os.path.basename(output_dir)}\n\nA **random-init** {what} pipeline written by `python -m "
-                "demo.tiny_sd`, for offline runs, tests and benchmarks. It produces noise, not pictures.\n")
+        f.write(f"# {os.path.basename(output_dir)}\n\nA **random-init** {WHAT[architecture]} pipeline written by "
+                "`python -m demo.tiny_sd`, for offline runs, tests and benchmarks. It produces noise, not pictures.\n")
     if os.path.exists(output_dir):
         shutil.rmtree(output_dir)
     os.replace(tmp, output_dir)
-    models = (pipe.unet, pipe.vae, pipe.text_encoder, getattr(pipe, "text_encoder_2", None))
-    return sum(p.numel() for m in models if m is not None for p in m.parameters())
+    return sum(p.numel() for m in pipe.components.values() if hasattr(m, "parameters") for p in m.parameters())
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--output_dir", default="models/tiny-sd")
-    parser.add_argument("--architecture", choices=["tiny", "sd15", "tiny-sdxl", "sdxl"], default="tiny")
+    parser.add_argument("--output_dir", default="models/tiny-sd", help="The pipeline folder to write.")
+    parser.add_argument("--architecture", choices=list(WHAT), default="tiny", help="Which pipeline (see above).")
     parser.add_argument("--device", default="cpu", help="Where the weights are initialised (cuda: much faster).")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="The seed of the random weights.")
     args = parser.parse_args()
     n = write_tiny_sd(args.output_dir, args.architecture, args.seed, args.device)
-    kind = "SDXL" if "sdxl" in args.architecture else "Stable Diffusion"
-    print(f"wrote a random-init {kind} pipeline ({args.architecture}, {n / 1e6:.2f} M parameters) "
-          f"to {args.output_dir}")
+    print(f"wrote a random-init {WHAT[args.architecture]} pipeline ({args.architecture}, {n / 1e6:.2f} M "
+          f"parameters) to {args.output_dir}")

@@ -73,6 +73,7 @@ def train_vae(args):
     import torch.nn.functional as F
     from diffusers import AutoencoderKL, DDPMScheduler, StableDiffusionPipeline, UNet2DConditionModel
 
+    from common.text_encoder_keys import add_text_model_prefix
     from demo.tiny_sd import build_random_sd, tiny_configs
 
     torch.manual_seed(args.seed)
@@ -123,6 +124,7 @@ def train_vae(args):
     tmp = args.output_dir.rstrip("/") + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     pipe.save_pretrained(tmp)
+    add_text_model_prefix(os.path.join(tmp, "text_encoder"))
     with open(os.path.join(tmp, "unet_config.json"), "w") as f:
         json.dump(unet_config, f, indent=2)
     with open(os.path.join(tmp, "vae_metrics.json"), "w") as f:
@@ -157,8 +159,9 @@ def finish(args):
     import torch
     import transformers
 
+    from common.base_models import CHECKSUMS, file_sha256
     from common.diffusion import image_grid, to_pil
-    from common.stable_diffusion import CHECKSUMS, file_sha256
+    from common.text_encoder_keys import add_text_model_prefix
 
     metrics, images = evaluate_base(args.model, args.judge, args.per_digit)
     print(json.dumps(metrics))
@@ -171,6 +174,7 @@ def finish(args):
     for name in PIPELINE_FILES:
         source = os.path.join(args.model, name)
         (shutil.copytree if os.path.isdir(source) else shutil.copy)(source, os.path.join(tmp, name))
+    add_text_model_prefix(os.path.join(tmp, "text_encoder"))  # the key names ComfyUI's CLIP loader reads
     n = min(args.per_digit, 10)
     grid = images.view(10, args.per_digit, *images.shape[1:])[:, :n].reshape(-1, *images.shape[1:])
     image_grid(to_pil(grid), ncol=n).save(os.path.join(tmp, "samples.png"))

@@ -166,3 +166,24 @@ def tiny_sdxl(tmp_path_factory):
     path = tmp_path_factory.mktemp("models") / "tiny-sdxl"
     write_tiny_sd(str(path), architecture="tiny-sdxl")
     return path
+
+
+@pytest.fixture(scope="session")
+def tiny_sd3(tmp_path_factory):
+    """The tiny random-init Stable Diffusion 3 pipeline of `make tiny-sd3`, built once per test session."""
+    from demo.tiny_sd import write_tiny_sd
+
+    path = tmp_path_factory.mktemp("models") / "tiny-sd3"
+    write_tiny_sd(str(path), architecture="tiny-sd3")
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_flux(tmp_path_factory):
+    """The tiny random-init Flux.1 pipeline (Flux.1-dev's layout, guidance embedding) of `make tiny-flux`, built once
+    per test session."""
+    from demo.tiny_sd import write_tiny_sd
+
+    path = tmp_path_factory.mktemp("models") / "tiny-flux"
+    write_tiny_sd(str(path), architecture="tiny-flux")
+    return path

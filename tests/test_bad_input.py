@@ -120,7 +120,7 @@ LORA = [
     case("base-without-native-size", ["--pretrained_model_name_or_path", "{sd_no_size}"],
          "has no sample_size to take the training size from", "give --resolution"),
     case("base-is-a-classifier", ["--pretrained_model_name_or_path", "{classifier}"],
-         "is not a Stable Diffusion pipeline folder", "make tiny-sd"),
+         "is not a pipeline folder", "make tiny-sd"),
     case("base-path-missing", ["--pretrained_model_name_or_path", "{missing}"], "is neither a pipeline folder"),
     case("output-dir-is-a-file", ["--output_dir", "{a_file}"], "is a file", watched=["{a_file}"]),
     case("output-dir-not-writable", ["--output_dir", "{read_only}/out"], "cannot write in",
@@ -386,7 +386,7 @@ def test_lora_for_another_architecture_is_refused(paths):
     args = sample.parse_args(["--model", str(paths["sd"]), "--lora", str(paths["foreign_lora"]), "--prompt", "a digit",
                               "--num_images", "1", "--num_inference_steps", "1", "--output_dir", str(out)])
     with pytest.raises(UserError, match="adapts no layer of the base model .*another architecture"):
-        sample.sample_sd(args)
+        sample.sample_pipeline(args)
     args = inspect_pipeline.parse_args([str(paths["sd"]), "--lora", str(paths["foreign_lora"])])
     pipe, _, _ = inspect_pipeline.load_pipeline(args, torch.float32)
     with pytest.raises(UserError, match="adapts no module of"):

@@ -8,11 +8,18 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from conftest import assert_one_line_error, launch, logged_losses, read_results, run_script
+from conftest import ROOT, assert_one_line_error, launch, logged_losses, read_results, run_script
 from PIL import Image
 from safetensors.torch import load_file
 
-from common.buckets import BucketBatchSampler, assign_buckets, bucket_sizes, validation_sizes
+from common.buckets import (
+    BucketBatchSampler,
+    assign_buckets,
+    bucket_sizes,
+    kept_share,
+    nearest_bucket,
+    validation_sizes,
+)
 from common.cli import UserError
 from common.image_data import cover_size
 
@@ -61,6 +68,29 @@ def test_images_go_to_the_nearest_aspect_and_small_buckets_are_merged_not_droppe
     buckets, of, merges = assign_buckets([(40, 40)] * 4 + [(48, 32)], 32, 8, 2, 2.0)
     assert [buckets[b] for b in of] == [(32, 32)] * 5 and merges == {"24x40": "32x32"}
     assert len(of) == 5  # nothing dropped
+
+
+def kohya_bucket(size, buckets):
+    """kohya's sd-scripts' choice (BucketManager.select_bucket): the least plain difference of width / height."""
+    return int(np.abs(np.array([w / h for h, w in buckets]) - size[1] / size[0]).argmin())
+
+
+def test_each_image_takes_the_bucket_that_crops_least_and_its_transpose_the_transposed_one():
+    buckets = bucket_sizes(512, 64)
+    for h in range(90, 2200, 37):
+        for w in range(90, 2200, 23):
+            share = kept_share((h, w), buckets[nearest_bucket((h, w), buckets)])
+            assert share == max(kept_share((h, w), b) for b in buckets), (w, h)
+            assert buckets[nearest_bucket((w, h), buckets)] == buckets[nearest_bucket((h, w), buckets)][::-1], (w, h)
+    # docs/train_lora.md's examples of where kohya's rule differs: computed here, quoted there
+    docs = (ROOT / "docs" / "train_lora.md").read_text()
+    for (w, h), ours, kohya in [((1000, 354), (256, 832), (320, 768)), ((360, 1000), (768, 320), (832, 256))]:
+        assert buckets[nearest_bucket((h, w), buckets)] == ours and buckets[kohya_bucket((h, w), buckets)] == kohya
+        quoted = (f"{w}x{h}: {kohya[1]}x{kohya[0]}, keeping {100 * kept_share((h, w), kohya):.1f} %",
+                  f"{ours[1]}x{ours[0]}, keeping {100 * kept_share((h, w), ours):.1f} %")
+        assert all(" ".join(q.split()) in " ".join(docs.split()) for q in quoted), quoted
+        # turned on its side, kohya's choice is ours: its rule is not symmetric
+        assert kohya_bucket((w, h), buckets) == nearest_bucket((w, h), buckets)
 
 
 def test_an_image_too_small_for_its_bucket_is_one_line_naming_it():

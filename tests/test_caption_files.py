@@ -1,6 +1,6 @@
 """Images with same-name .txt captions (common/caption_files.py), as the Stable Diffusion trainers read them: the
 reader on real files, the layout rule (a metadata file anywhere: an imagefolder), --default_caption, --caption_prefix,
-the bad-input lines, and one real train_lora.py run on a caption folder."""
+--enable_wildcard, the bad-input lines, and one real train_lora.py run on a caption folder."""
 import json
 from argparse import Namespace
 
@@ -8,7 +8,13 @@ import pytest
 from conftest import assert_one_line_error, launch, read_results, run_script
 from PIL import Image
 
-from common.caption_files import caption_extension, caption_folder_reader, load_caption_folder, read_caption_folder
+from common.caption_files import (
+    caption_extension,
+    caption_folder_reader,
+    load_caption_folder,
+    read_caption_file,
+    read_caption_folder,
+)
 from common.cli import UserError
 from common.image_data import caption_lists, load_image_dataset
 
@@ -44,13 +50,27 @@ def captioned(tmp_path):
 def sd_args(**kw):
     return Namespace(**{"dataset_name": None, "dataset_config_name": None, "train_data_dir": None, "cache_dir": None,
                         "eval_split": "test", "seed": 0, "max_train_samples": None, "image_column": "image",
-                        "caption_column": "text", "default_caption": None, "caption_extension": ".txt", **kw})
+                        "caption_column": "text", "default_caption": None, "caption_extension": ".txt",
+                        "enable_wildcard": False, **kw})
 
 
-def test_nested_folders_in_sorted_order_each_line_a_caption(captioned):
+def test_nested_folders_in_sorted_order_the_first_line_the_caption_or_every_line_with_enable_wildcard(captioned):
     paths, captions = read_caption_folder(str(captioned))
     assert relative(paths, captioned) == ["a.png", "sub/b.JPG", "sub/deeper/c.webp"]
-    assert captions == [["a red square"], ["first", "second"], [NON_ASCII]]  # the byte-order mark is not text
+    assert captions == [["a red square"], ["first"], [NON_ASCII]]  # the byte-order mark is not text
+    paths, captions = read_caption_folder(str(captioned), every_line=True)
+    assert captions == [["a red square"], ["first", "second"], [NON_ASCII]]
+
+
+def test_enable_wildcard_refuses_kohyas_brace_notation_rather_than_train_the_braces(tmp_path):
+    path = tmp_path / "a.txt"
+    path.write_text("\n  a {cat|dog} on a mat\nlast\n", encoding="utf-8")
+    assert read_caption_file(path) == ["a {cat|dog} on a mat"]  # as kohya reads it without the flag: as written
+    with pytest.raises(UserError, match=r"a.txt' holds kohya's \{a\|b\} wildcard notation \('\{cat\|dog\}'\), "
+                                        r"which is not expanded here: write each variant as a caption line"):
+        read_caption_file(path, every_line=True)
+    path.write_text("a {{literal}} brace\nand }{ these\n", encoding="utf-8")  # kohya's escapes, and no group
+    assert read_caption_file(path, every_line=True) == ["a {{literal}} brace", "and }{ these"]
 
 
 def test_caption_folder_dataset_has_an_image_column_and_caption_lists(captioned):
@@ -64,6 +84,9 @@ def test_caption_folder_dataset_has_an_image_column_and_caption_lists(captioned)
     # What the trainers do with it: load_image_dataset(read_folder=caption_folder_reader(args)), then caption_lists.
     args = sd_args(train_data_dir=str(captioned))
     train, _ = load_image_dataset(args, carve_eval=False, read_folder=caption_folder_reader(args))
+    assert caption_lists(train["text"], "text") == [["a red square"], ["first"], [NON_ASCII]]
+    args = sd_args(train_data_dir=str(captioned), enable_wildcard=True)
+    train, _ = load_image_dataset(args, carve_eval=False, read_folder=caption_folder_reader(args))
     assert caption_lists(train["text"], "text") == [["a red square"], ["first", "second"], [NON_ASCII]]
 
 
@@ -75,7 +98,7 @@ def test_images_without_captions_are_named_unless_default_caption(captioned):
     assert "(4 of 7): sub/x1.png, sub/x2.png, sub/x3.png and 1 more" in str(err.value)
     assert "--default_caption" in str(err.value)
     _, captions = read_caption_folder(str(captioned), default_caption="a photo")
-    assert captions == [["a red square"], ["first", "second"], [NON_ASCII], *[["a photo"]] * 4]
+    assert captions == [["a red square"], ["first"], [NON_ASCII], *[["a photo"]] * 4]
 
 
 def test_caption_extension_reads_kohya_caption_files(captioned):
@@ -88,7 +111,7 @@ def test_caption_extension_reads_kohya_caption_files(captioned):
         ".caption", ".caption", ".caption", ".txt"]
     paths, captions = read_caption_folder(str(captioned), extension=".caption")
     assert relative(paths, captioned) == ["a.png", "sub/b.JPG", "sub/deeper/c.webp"]
-    assert captions == [["a red square"], ["first", "second"], [NON_ASCII]]
+    assert captions == [["a red square"], ["first"], [NON_ASCII]]
     args = sd_args(train_data_dir=str(captioned), caption_extension=".caption")
     train, _ = load_image_dataset(args, carve_eval=False, read_folder=caption_folder_reader(args))
     assert caption_lists(train["text"], "text") == captions
@@ -127,11 +150,12 @@ def test_make_data_writes_the_train_digits_with_their_captions(tmp_path):
 
     n_train, _ = write_digits(str(tmp_path / "digits"), captions_dir=str(tmp_path / "captions"))
     rows = {row["file_name"]: row for row in map(json.loads, (tmp_path / "digits/train/metadata.jsonl").open())}
-    paths, captions = read_caption_folder(str(tmp_path / "captions"))
+    paths, captions = read_caption_folder(str(tmp_path / "captions"), every_line=True)
     assert len(paths) == n_train == len(rows)
     for path, options in zip(relative(paths, tmp_path / "captions"), captions):
         digit, name = path.split("/")
         assert int(digit) == rows[name]["label"] and options == rows[name]["captions"]
+    assert read_caption_folder(str(tmp_path / "captions"))[1] == [options[:1] for options in captions]
 
 
 # --------------------------------------------------------------------------------------- bad input, in the scripts
@@ -160,6 +184,10 @@ BAD = [
      ("--default_caption", "train/metadata.jsonl", "drop --default_caption")),
     ("default-caption-with-dataset-name", GOOD, ["--dataset_name", "someone/captions", "--default_caption", "a photo"],
      ("--default_caption", "--dataset_name")),
+    ("enable-wildcard-with-metadata", METADATA, ["--enable_wildcard"],
+     ("--enable_wildcard is for a folder", "train/metadata.jsonl", "drop --enable_wildcard")),
+    ("enable-wildcard-with-dataset-name", GOOD, ["--dataset_name", "someone/captions", "--enable_wildcard"],
+     ("--enable_wildcard", "--dataset_name", "drop --enable_wildcard")),
     ("kohya-caption-files-read-as-txt", {"a.png": None, "a.caption": b"a red square", "b.png": None,
                                          "b.caption": b"a square"}, [],
      ("without a .txt caption file", "a.png, b.png", "give --caption_extension .caption")),
@@ -187,15 +215,27 @@ def test_text_to_image_checks_caption_folders_too(tmp_path):
                    ("without a caption file", "sub/c.png", "--default_caption"))
 
 
+def test_both_trainers_document_enable_wildcard_in_help():
+    for script in ("train_lora.py", "train_text_to_image.py"):
+        text = " ".join(run_script(script, "--help").stdout.split())
+        assert "--enable_wildcard Caption files: every non-empty line a caption, one picked at random per step" in text
+        assert "Without it: the first line, as kohya reads them." in text
+
+
+def test_text_to_image_takes_enable_wildcard_and_refuses_the_brace_notation(tmp_path):
+    assert_refused("train_text_to_image.py", tmp_path, {**GOOD, "sub/b.txt": b"a {green|blue} square\nsecond"},
+                   ["--enable_wildcard"], ("sub/b.txt", "wildcard notation ('{green|blue}')", "a caption line"))
+
+
 # ----------------------------------------------------------------------------------------------- one real run
 def test_lora_trains_on_a_caption_folder(captioned, tiny_sd, tmp_path):
     image(captioned / "sub" / "uncaptioned.png", color=(0, 0, 200))
     out = tmp_path / "lora"
     proc = launch("train_lora.py", "--train_data_dir", captioned, "--pretrained_model_name_or_path", tiny_sd,
                   "--output_dir", out, "--resolution", "32", "--max_train_steps", "2", "--train_batch_size", "2",
-                  "--default_caption", "a blue square", "--caption_prefix", "sks style, ",
+                  "--default_caption", "a blue square", "--caption_prefix", "sks style, ", "--enable_wildcard",
                   "--caption_dropout_prob", "0.5", "--report_to", "none")
-    # a red square, first, second, the non-ASCII one, the default caption
+    # a red square, first, second (--enable_wildcard: both lines), the non-ASCII one, the default caption
     assert "4 training images at 32 px, 5 distinct captions" in proc.stderr
     assert read_results(out)["global_step"] == 2 and (out / "pytorch_lora_weights.safetensors").is_file()
     # the trigger word is recorded where users of the LoRA look: lora_info.json and the model card

@@ -399,7 +399,7 @@ def test_is_hub_id_follows_the_hubs_naming_rule(tmp_path):
 
 def test_dtype_and_device_from_their_flags():
     from common.args import device_and_dtype, torch_dtype
-    from common.stable_diffusion import lora_dtypes
+    from common.base_models import lora_dtypes
 
     assert [torch_dtype(n) for n in ("fp32", "fp16", "bf16", "no", None)] == [
         torch.float32, torch.float16, torch.bfloat16, torch.float32, torch.float32]
@@ -419,9 +419,10 @@ def test_the_launcher_waits_for_other_machines_as_long_as_ddp_timeout():
 
 
 def test_idle_frozen_models_are_what_the_caches_leave_unused():
-    from common.stable_diffusion import idle_frozen_models
+    from common.base_models import idle_frozen_models
 
-    assert idle_frozen_models(cache_latents=True, text_cached=True, validation_prompts=[]) == ["vae", "text_encoder"]
-    assert idle_frozen_models(cache_latents=False, text_cached=True, validation_prompts=[]) == ["text_encoder"]
+    assert idle_frozen_models(cache_latents=True, text_cached=True, validation_prompts=[]) == ["vae", "text_encoders"]
+    assert idle_frozen_models(cache_latents=False, text_cached=True, validation_prompts=[]) == ["text_encoders"]
     assert idle_frozen_models(cache_latents=True, text_cached=False, validation_prompts=[]) == ["vae"]  # trained TE
-    assert idle_frozen_models(cache_latents=True, text_cached=True, validation_prompts=["a cat"]) == []  # sampling
+    # validation images decode through the VAE; their prompts are cached with the others
+    assert idle_frozen_models(cache_latents=True, text_cached=True, validation_prompts=["a cat"]) == ["text_encoders"]

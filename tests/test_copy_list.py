@@ -40,8 +40,13 @@ def imported_names(file):
             yield from (f"{module}.{alias.name}" for alias in node.names)  # `from common import args`: a module
 
 
+FAMILIES = ROOT / "common" / "families"
+
+
 def copy_set(script):
-    """The common/ and demo/ files `script` imports, transitively (with the __init__.py of each package)."""
+    """The common/ and demo/ files `script` imports, transitively (with the __init__.py of each package). A script
+    that dispatches on common/families/ imports a family's module by name at run time: its list holds what any
+    family module imports, the family modules themselves aside (the docstring names them)."""
     todo, found = [ROOT / script], set()
     while todo:
         for name in imported_names(todo.pop()):
@@ -53,7 +58,15 @@ def copy_set(script):
                 if file is not None and file not in found:
                     found.add(file)
                     todo.append(file)
+        if not todo and FAMILIES / "__init__.py" in found and not found >= family_modules():
+            todo = sorted(family_modules() - found)
+            found |= set(todo)
+    found -= family_modules()
     return sorted(str(file.relative_to(ROOT)) for file in found)
+
+
+def family_modules():
+    return {path for path in FAMILIES.glob("*.py") if path.name != "__init__.py"}
 
 
 def copy_list(script):

@@ -172,7 +172,8 @@ def test_saved_lora_weights_load_back_into_both_models(tiny_sd, tmp_path, use_do
     from diffusers import StableDiffusionPipeline
     from peft import LoraConfig
 
-    from common.stable_diffusion import save_lora_weights
+    from common.families import sd
+    from common.lora_files import save_lora_weights
 
     trained = StableDiffusionPipeline.from_pretrained(tiny_sd)
     before = fixed_unet_output(trained.unet), fixed_text_output(trained)
@@ -187,7 +188,7 @@ def test_saved_lora_weights_load_back_into_both_models(tiny_sd, tmp_path, use_do
                     p.add_(0.2 * torch.randn_like(p))
     expected = fixed_unet_output(trained.unet), fixed_text_output(trained)
     assert all((a - b).abs().max() > 1e-3 for a, b in zip(before, expected))
-    save_lora_weights(tmp_path, {"unet": trained.unet, "text_encoder": trained.text_encoder},
+    save_lora_weights(tmp_path, sd, {"unet": trained.unet, "text_encoder": trained.text_encoder},
                       {"base_model": str(tiny_sd), "rank": 4, "lora_alpha": 8}, kohya=not use_dora)
     keys = [key for key in load_file(tmp_path / "pytorch_lora_weights.safetensors") if key.startswith("text_encoder.")]
     assert keys and all(key.startswith("text_encoder.text_model.encoder.layers.") for key in keys), keys[:3]
@@ -267,7 +268,7 @@ def test_load_hook_sets_the_adapter_and_upcasts(tiny_sd, tmp_path):
     from diffusers import UNet2DConditionModel
     from peft import LoraConfig
 
-    from common.stable_diffusion import load_lora_state, save_lora_state
+    from common.lora_files import load_lora_state, save_lora_state
 
     unet = UNet2DConditionModel.from_pretrained(tiny_sd / "unet").requires_grad_(False)
     unet.add_adapter(LoraConfig(r=4, lora_alpha=4, init_lora_weights="gaussian", target_modules=TARGETS))
@@ -294,7 +295,7 @@ def test_fp16_in_the_accelerate_config_keeps_lora_weights_fp32(tiny_sd):
     from diffusers.training_utils import cast_training_params
     from peft import LoraConfig
 
-    from common.stable_diffusion import lora_dtypes
+    from common.base_models import lora_dtypes
 
     assert lora_dtypes("fp16") == (torch.float16, torch.float32)  # the accelerator's value, e.g. from fp16.yaml
     assert lora_dtypes("bf16") == (torch.bfloat16, torch.float32)
@@ -313,7 +314,7 @@ def test_bad_input_is_one_line_and_writes_nothing(trained, digits, tiny_sd, tmp_
     out = tmp_path / "out"
     base = ["--train_data_dir", digits, "--output_dir", out]
     assert_one_line_error(run_script("train_lora.py", *base, "--pretrained_model_name_or_path", digits),
-                          "is not a Stable Diffusion pipeline folder", "make tiny-sd")
+                          "is not a pipeline folder", "make tiny-sd")
     sd = [*base, "--pretrained_model_name_or_path", tiny_sd, "--max_train_steps", "1"]
     assert_one_line_error(run_script("train_lora.py", *sd, "--target_modules", "to_q,to_kk"),
                           "'to_kk' matches no module of the UNet", "closest module names: to_k")
@@ -355,7 +356,7 @@ def test_sample_py_with_a_train_lora_output_and_another_lora(trained, tiny_sd, d
     flags = ["--model", str(trained), "--lora", f"{trained / KOHYA}:0.5", "--prompt", "a handwritten digit seven",
              "--num_images", "1", "--seed", "1", "--num_inference_steps", "3", "--scheduler", "euler_a",
              "--negative_prompt", "blurry"]
-    again = [sample.sample_sd(sample.parse_args([*flags, "--output_dir", str(tmp_path / f"again{i}")]))[0]
+    again = [sample.sample_pipeline(sample.parse_args([*flags, "--output_dir", str(tmp_path / f"again{i}")]))[0]
              for i in range(2)]
     pixels = [np.asarray(Image.open(path), dtype=np.int16) for path in (*again, images[3])]
     assert np.array_equal(pixels[0], pixels[1])  # the same command, the same pixels

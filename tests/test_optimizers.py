@@ -83,6 +83,31 @@ def test_prodigy_refuses_groups_with_different_learning_rates_and_lrs_far_from_o
         build_optimizer(optimizer_args("prodigy"), build_param_groups(model, 1e-4, 0.01), torch.device("cpu"))
 
 
+@pytest.mark.parametrize("warmup", [0, 100])
+def test_prodigy_keeps_the_lr_out_of_its_estimate_with_or_without_a_warm_up(warmup):
+    """prodigyopt's README for diffusion models: use_bias_correction and safeguard_warmup, whatever the schedule."""
+    model = tiny_model()
+    optimizer = build_optimizer(optimizer_args("prodigy", lr_warmup_steps=warmup), groups_for("prodigy", model),
+                                torch.device("cpu"))
+    assert all(g["use_bias_correction"] and g["safeguard_warmup"] for g in optimizer.param_groups)
+    # Why without a warm-up too: the bias correction Prodigy multiplies into the LR of its estimate starts low and
+    # climbs for a thousand steps (the numbers docs/running.md quotes).
+    beta1, beta2 = optimizer.param_groups[0]["betas"]
+    correction = {k: (1 - beta2 ** k) ** 0.5 / (1 - beta1 ** k) for k in (1, 10, 1000)}
+    assert [round(correction[1], 2), round(correction[10], 2), round(correction[1000], 1)] == [0.32, 0.15, 0.8]
+    # The safeguard is what runs: the same steps as prodigyopt's Prodigy built with it, not as one without it.
+    from prodigyopt import Prodigy
+
+    twins = {safeguard: copy.deepcopy(model) for safeguard in (True, False)}
+    references = {safeguard: Prodigy(groups_for("prodigy", twin), use_bias_correction=True, safeguard_warmup=safeguard)
+                  for safeguard, twin in twins.items()}
+    for seed in range(30):
+        for net, opt in [(model, optimizer), *((twins[s], references[s]) for s in twins)]:
+            train_step(net, opt, seed)
+    assert optimizer.param_groups[0]["d"] == references[True].param_groups[0]["d"]
+    assert optimizer.param_groups[0]["d"] != references[False].param_groups[0]["d"]
+
+
 def test_adamw8bit_needs_cuda_and_bitsandbytes(monkeypatch):
     model = tiny_model()
     with pytest.raises(UserError) as err:

@@ -45,7 +45,8 @@ def folders(tmp_path_factory, tiny_sd):
     from diffusers import DDPMPipeline, DDPMScheduler, StableDiffusionPipeline, UNet2DModel
     from peft import LoraConfig
 
-    from common.stable_diffusion import save_lora_weights
+    from common.families import sd
+    from common.lora_files import save_lora_weights
 
     root = tmp_path_factory.mktemp("kinds")
     paths = {"sd": tiny_sd, "sdxl": tiny_sdxl(root / "sdxl")}
@@ -61,7 +62,7 @@ def folders(tmp_path_factory, tiny_sd):
     pipe = StableDiffusionPipeline.from_pretrained(tiny_sd)
     pipe.unet.add_adapter(LoraConfig(r=2, lora_alpha=2, target_modules=["to_q", "to_v"]))
     paths["lora"] = root / "lora"
-    save_lora_weights(str(paths["lora"]), {"unet": pipe.unet}, {"base_model": str(tiny_sd), "rank": 2})
+    save_lora_weights(str(paths["lora"]), sd, {"unet": pipe.unet}, {"base_model": str(tiny_sd), "rank": 2})
     return paths
 
 

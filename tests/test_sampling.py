@@ -131,11 +131,13 @@ def test_lora_validation_images_are_what_sample_py_and_diffusers_draw(digits, ti
 
 def test_min_snr_loss_is_finite_at_zero_terminal_snr_and_shared_by_the_diffusion_trainers():
     """Pins: train_lora.py weighted min-SNR inline as clamp(snr) / snr, NaN at a zero-SNR timestep (a schedule with
-    rescale_betas_zero_snr), where train_ddpm.py's helper fell back to plain MSE: one helper for both now."""
+    rescale_betas_zero_snr), where train_ddpm.py's helper fell back to plain MSE: one helper (min_snr_weights) for
+    train_ddpm.py's diffusion_loss and the text-to-image trainers' DDPM objective."""
     from conftest import ROOT
     from diffusers import DDPMScheduler
 
     from common.diffusion import diffusion_loss
+    from common.objectives import DDPM
 
     scheduler = DDPMScheduler(rescale_betas_zero_snr=True, beta_schedule="scaled_linear")
     timesteps = torch.tensor([0, 500, 999])
@@ -143,6 +145,9 @@ def test_min_snr_loss_is_finite_at_zero_terminal_snr_and_shared_by_the_diffusion
     for kind in ("epsilon", "v_prediction", "sample"):
         scheduler.register_to_config(prediction_type=kind)
         assert torch.isfinite(diffusion_loss(prediction, target, scheduler, timesteps, snr_gamma=5.0))
-    for script in ("train_ddpm.py", "train_lora.py"):
-        source = (ROOT / script).read_text()
-        assert "diffusion_loss(" in source and "compute_snr" not in source, script
+        noised = DDPM(scheduler, snr_gamma=5.0).at(target, prediction, timesteps)
+        assert torch.isfinite(DDPM(scheduler, snr_gamma=5.0).losses(prediction, noised)).all()
+    assert "diffusion_loss(" in (ROOT / "train_ddpm.py").read_text()
+    assert "min_snr_weights(" in (ROOT / "common" / "objectives.py").read_text()
+    for script in ("train_ddpm.py", "train_lora.py", "train_text_to_image.py"):
+        assert "compute_snr" not in (ROOT / script).read_text(), script

@@ -40,8 +40,8 @@ def loras(tmp_path_factory, tiny_sd, tiny_sdxl):
     from diffusers import StableDiffusionPipeline, StableDiffusionXLPipeline
     from safetensors.torch import load_file, save_file
 
-    from common.lora_metadata import base_model_metadata
-    from common.stable_diffusion import KOHYA_WEIGHTS, LORA_WEIGHTS, save_lora_weights
+    from common.families import family_module
+    from common.lora_files import KOHYA_WEIGHTS, LORA_WEIGHTS, save_lora_weights
 
     root = tmp_path_factory.mktemp("sdxl-loras")
     paths = {}
@@ -49,8 +49,9 @@ def loras(tmp_path_factory, tiny_sd, tiny_sdxl):
             ("sdxl", tiny_sdxl, StableDiffusionXLPipeline, ("unet", "text_encoder", "text_encoder_2")),
             ("sd", tiny_sd, StableDiffusionPipeline, ("unet", "text_encoder"))):
         pipe = pipeline_class.from_pretrained(base)
-        metadata = {"base_model": str(base), **base_model_metadata(pipe.unet.config, "epsilon")}
-        save_lora_weights(str(root / kind), add_lora(pipe, parts), {"base_model": str(base), "rank": 4,
+        family = family_module(kind)
+        metadata = {"base_model": str(base), **family.base_metadata(pipe.unet.config, "epsilon")}
+        save_lora_weights(str(root / kind), family, add_lora(pipe, parts), {"base_model": str(base), "rank": 4,
                                                                     "lora_alpha": 4}, kohya=True, metadata=metadata)
         paths[kind] = root / kind
     for name, file in (("sdxl_keys", root / "sdxl" / LORA_WEIGHTS), ("sdxl_kohya_keys", root / "sdxl" / KOHYA_WEIGHTS),

@@ -75,7 +75,7 @@ def test_bad_input_is_one_line_and_writes_nothing(trained, digits, tiny_sd, tmp_
     assert_one_line_error(run_script("train_text_to_image.py", *args, "--unet_config", tmp_path / "broken.json"),
                           "--unet_config:", "is not a json config")
     assert_one_line_error(run_script("train_text_to_image.py", *args, "--pretrained_model_name_or_path", digits),
-                          "is not a Stable Diffusion pipeline folder")
+                          "is not a pipeline folder")
     assert not out.exists()
     out.mkdir()
     shutil.copytree(trained / "checkpoint-6", out / "checkpoint-6")

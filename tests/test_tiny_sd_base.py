@@ -37,7 +37,7 @@ def draw(pipe, per_digit, style=False, **kwargs):
 
 
 def test_shipped_files_match_their_checksums_and_load():
-    from common.stable_diffusion import CHECKSUMS, file_sha256
+    from common.base_models import CHECKSUMS, file_sha256
 
     listed = dict(reversed(line.split(maxsplit=1)) for line in (BASE / CHECKSUMS).read_text().splitlines())
     files = {str(p.relative_to(BASE)) for p in BASE.rglob("*") if p.is_file()}
@@ -143,6 +143,10 @@ def test_rebuild_with_tiny_step_counts_and_a_changed_file_is_refused(digits, tmp
     card = (shipped / "README.md").read_text()
     assert "one\ntwo" in card and "diffusers" in card
     pipeline(shipped)  # loads
+    from safetensors import safe_open
+
+    with safe_open(str(shipped / "text_encoder" / "model.safetensors"), "pt") as f:  # what ComfyUI's CLIP loader reads
+        assert all(key.startswith("text_model.") for key in f.keys())
     assert (shipped / "checksums.sha256").read_text().count("\n") >= 8
     # A changed or missing file of a checksummed base: one line, nothing written.
     out = tmp_path / "lora"

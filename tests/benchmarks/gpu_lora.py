@@ -72,7 +72,7 @@ def load_lora_unet(base, precision, device, rank, targets):
     from diffusers.training_utils import cast_training_params
     from peft import LoraConfig
 
-    from common.stable_diffusion import lora_dtypes
+    from common.base_models import lora_dtypes
 
     weight_dtype, lora_dtype = lora_dtypes(precision)
     unet = UNet2DConditionModel.from_pretrained(base, subfolder="unet", dtype=weight_dtype).requires_grad_(False)
@@ -87,7 +87,7 @@ def reference_step(unet, scheduler, batch_size, precision, device):
     import torch
     import torch.nn.functional as F
 
-    from common.stable_diffusion import lora_dtypes
+    from common.base_models import lora_dtypes
 
     size, width = unet.config.sample_size, unet.config.cross_attention_dim
     latents = [torch.randn(batch_size, 4, size, size, device=device) for _ in range(4)]

@@ -63,21 +63,23 @@ def workload_data(workload_args):
         sys.path.insert(0, ROOT)
     import datasets
 
+    from common.base_models import base_resolution, size_factor
     from common.buckets import bucket_images
     from common.caption_files import caption_folder_reader
-    from common.stable_diffusion import base_resolution, size_factor
+    from common.families import load_family
     from common.validation_loss import load_with_validation
     from train_lora import parse_args
 
     datasets.disable_progress_bars()  # the data files' bars
     with contextlib.chdir(ROOT):  # the workloads' paths are relative to the repository, as the recipe runs
         args = parse_args(list(workload_args))
-        args.resolution, _ = base_resolution(args.pretrained_model_name_or_path, args.resolution, args.revision,
-                                             args.cache_dir)
+        family = load_family(args.pretrained_model_name_or_path, "--pretrained_model_name_or_path")
+        args.resolution, _ = base_resolution(args.pretrained_model_name_or_path, args.resolution, family,
+                                             args.revision, args.cache_dir)
         train, _ = load_with_validation(args, read_folder=caption_folder_reader(args))
         sizes = None
         if args.buckets == "auto":
-            factor = size_factor(args.pretrained_model_name_or_path, args.revision, args.cache_dir)
+            factor = size_factor(args.pretrained_model_name_or_path, family, args.revision, args.cache_dir)
             sizes = bucket_images(args, train, None, factor)[0]
     return args, train, sizes
 

@@ -1,0 +1,149 @@
+"""Flux.1 (FluxPipeline): a transformer trained by flow matching on 2 x 2 packed latents, conditioned on T5's hidden
+states (with text ids) and CLIP's pooled embedding, with a guidance input when the base is guidance-distilled
+(Flux.1-dev: config guidance_embeds). As diffusers' train_dreambooth_lora_flux.py trains it: the transformer takes
+the timestep divided by 1000, the training sigmas are unshifted (the config's dynamic shifting is for sampling), no
+loss weighting, target noise - x0.
+"""
+from ..diffusion import FLOW_SCHEDULER_CLASSES
+from ..prompts import clip_ids, t5_ids
+from ..vae import vae_factor, vae_sample_size
+
+KEY = "flux"
+NAME = "Flux.1"
+PIPELINE = "FluxPipeline"
+DENOISER = "transformer"
+OBJECTIVE = "flow"
+FLOW_DEFAULTS = {"weighting_scheme": "none", "precondition_outputs": 0}  # diffusers' Flux script's
+COMPONENTS = {"scheduler": ("diffusers", "FlowMatchEulerDiscreteScheduler"),
+              "tokenizer": ("transformers", "CLIPTokenizer"), "tokenizer_2": ("transformers", "T5TokenizerFast"),
+              "text_encoder": ("transformers", "CLIPTextModel"), "text_encoder_2": ("transformers", "T5EncoderModel"),
+              "vae": ("diffusers", "AutoencoderKL"), "transformer": ("diffusers", "FluxTransformer2DModel")}
+TEXT_ENCODERS = ("text_encoder", "text_encoder_2")  # CLIP (pooled), T5 (states)
+LORA_TEXT_ENCODERS = ("text_encoder",)  # never T5, as diffusers' script
+LORA_TARGETS = ("attn.to_k,attn.to_q,attn.to_v,attn.to_out.0,attn.add_k_proj,attn.add_q_proj,attn.add_v_proj,"
+                "attn.to_add_out,ff.net.0.proj,ff.net.2,ff_context.net.0.proj,ff_context.net.2")  # diffusers' default
+TEXT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "out_proj")
+TIME_IDS = False
+MAX_SEQUENCE_LENGTH = 512  # diffusers' Flux script's default
+TRAINING_GUIDANCE = 3.5  # the guidance input while training (diffusers' Flux script's --guidance_scale)
+OPTIONAL_COMPONENTS = None
+SAMPLERS = FLOW_SCHEDULER_CLASSES
+SAMPLER, SAMPLE_STEPS, SAMPLE_GUIDANCE = "euler", 28, 3.5  # FluxPipeline's defaults
+SAMPLE_FLAGS = ("max_sequence_length",)
+PIPELINE_EXTRAS = {}
+SINGLE_FILE = False  # no single-file checkpoint layout here (train_text_to_image.py --save_model_as)
+NATIVE_SIZE_FROM = "VAE"  # whose config's sample_size is the native training size
+RESOLUTION_FACTOR = "the VAE's downsampling factor times 2 (Flux packs 2 x 2 latents)"
+
+
+def native_resolution(configs):
+    """Its VAE's sample_size (1024 for Flux.1; FluxPipeline itself always defaults to 128 latents)."""
+    return vae_sample_size(configs["vae"])
+
+
+def resolution_factor(configs):
+    return vae_factor(configs["vae"]) * 2
+
+
+def size_factor(configs):
+    return resolution_factor(configs)
+
+
+def fit_problems(denoiser_config, configs):
+    """A fresh transformer against the base's other parts: packed latents in, T5's width, CLIP's pooled width."""
+    checks = (("in_channels", configs["vae"].get("latent_channels", 16) * 4, "4 x the VAE's latent channels"),
+              ("joint_attention_dim", configs.get("text_encoder_2", {}).get("d_model"), "T5's d_model"),
+              ("pooled_projection_dim", configs.get("text_encoder", {}).get("hidden_size"), "CLIP's hidden size"))
+    return [(key, denoiser_config.get(key), want, what) for key, want, what in checks
+            if want is not None and denoiser_config.get(key) != want]
+
+
+def tokenize(parts, prompts, max_sequence_length=None):
+    """CLIP's 77 ids (for the pooled embedding) and T5's max_sequence_length ids."""
+    return [clip_ids(parts["tokenizer"], prompts), t5_ids(parts["tokenizer_2"], prompts, max_sequence_length)]
+
+
+def encode_prompts(parts, ids):
+    """As FluxPipeline.encode_prompt: CLIP's pooled output, T5's last hidden states."""
+    pooled = parts["text_encoder"](ids[0], output_hidden_states=False).pooler_output
+    return {"prompt_embeds": parts["text_encoder_2"](ids[1], output_hidden_states=False)[0],
+            "pooled_prompt_embeds": pooled}
+
+
+def empty_prompt_zeros(index):
+    return False
+
+
+def pack(latents):
+    """[B, C, H, W] -> [B, (H/2)(W/2), 4C]: each 2 x 2 patch one token (FluxPipeline._pack_latents' layout)."""
+    b, c, h, w = latents.shape
+    return latents.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5).reshape(b, (h // 2) * (w // 2), c * 4)
+
+
+def unpack(tokens, h, w):
+    """pack's inverse, for latents of h x w."""
+    b, _, channels = tokens.shape
+    return tokens.view(b, h // 2, w // 2, channels // 4, 2, 2).permute(0, 3, 1, 4, 2, 5).reshape(b, channels // 4, h, w)
+
+
+def packed_shape(shape):
+    """[B, C, H, W] latents' shape as the transformer sees them."""
+    b, c, h, w = shape
+    return [b, (h // 2) * (w // 2), c * 4]
+
+
+def image_ids(h, w, device):
+    """Each packed token's (0, row, column): FluxPipeline._prepare_latent_image_ids for h/2 x w/2 tokens."""
+    import torch
+
+    ids = torch.zeros(h // 2, w // 2, 3, device=device)
+    ids[..., 1] += torch.arange(h // 2, device=device)[:, None]
+    ids[..., 2] += torch.arange(w // 2, device=device)[None, :]
+    return ids.reshape(-1, 3)
+
+
+def denoise(transformer, noisy, timesteps, cond, guidance=None):
+    """The transformer's prediction (noise - x0) for noisy latents [B, C, H, W], packed in and unpacked out; the
+    timestep divided by 1000, as the pipeline gives it; `guidance` for a guidance-distilled base."""
+    import torch
+
+    b, _, h, w = noisy.shape
+    text = cond["prompt_embeds"]
+    out = transformer(hidden_states=pack(noisy), timestep=timesteps / 1000,
+                      guidance=None if guidance is None else torch.full((b,), float(guidance), device=noisy.device),
+                      pooled_projections=cond["pooled_prompt_embeds"], encoder_hidden_states=text,
+                      txt_ids=torch.zeros(text.shape[1], 3, device=noisy.device), img_ids=image_ids(h, w, noisy.device),
+                      return_dict=False)[0]
+    return unpack(out, h, w)
+
+
+def pipeline_prompt_kwargs(cond, uncond):
+    """Flux.1 has no unconditional branch (its guidance is an input): the prompt's embeddings alone."""
+    return {"prompt_embeds": cond["prompt_embeds"], "pooled_prompt_embeds": cond["pooled_prompt_embeds"]}
+
+
+def sample_size(pipe):
+    """(height, width) drawn by default: the VAE's sample_size (FluxPipeline's own default is 128 latents)."""
+    size = vae_sample_size(pipe.vae.config) or pipe.default_sample_size * pipe.vae_scale_factor
+    return size, size
+
+
+def unpack_latents(pipe, latents, height, width):
+    return pipe._unpack_latents(latents, height, width, pipe.vae_scale_factor)
+
+
+def text_encoder_targets(name, encoder, targets):
+    return list(targets)
+
+
+def base_metadata(denoiser_config, prediction_type):
+    """kohya's and ModelSpec's names: flux1, flux-1-dev (guidance-distilled) or flux-1-schnell."""
+    variant = "dev" if denoiser_config.get("guidance_embeds") else "schnell"
+    return {"ss_base_model_version": "flux1", "modelspec.architecture": f"flux-1-{variant}/lora"}
+
+
+def kohya_module_name(component, module, denoiser_config):
+    from ..cli import UserError
+
+    raise UserError("--export_kohya: Flux.1 LoRAs are written in the names ComfyUI reads already "
+                    "(pytorch_lora_weights.safetensors); leave --export_kohya out")

@@ -1,0 +1,123 @@
+"""Stable Diffusion 1.x/2.x (StableDiffusionPipeline): a UNet on DDPM noise, conditioned on the last hidden states of
+one CLIP text encoder. The reference family: every family module defines the names below.
+"""
+from ..diffusion import SCHEDULER_CLASSES
+from ..prompts import clip_ids
+from ..vae import vae_factor, vae_sample_size
+
+KEY = "sd"
+NAME = "Stable Diffusion 1.x/2.x"
+PIPELINE = "StableDiffusionPipeline"
+DENOISER = "unet"
+OBJECTIVE = "ddpm"  # common/objectives.py
+# component -> (library, class) as from_pretrained loads it; the denoiser, the VAE and the scheduler always
+COMPONENTS = {"scheduler": ("diffusers", "DDPMScheduler"), "tokenizer": ("transformers", "CLIPTokenizer"),
+              "text_encoder": ("transformers", "CLIPTextModel"), "vae": ("diffusers", "AutoencoderKL"),
+              "unet": ("diffusers", "UNet2DConditionModel")}
+TEXT_ENCODERS = ("text_encoder",)  # in the order their embeddings are put together
+LORA_TEXT_ENCODERS = ("text_encoder",)  # those --train_text_encoder puts LoRA on
+LORA_TARGETS = "to_k,to_q,to_v,to_out.0"
+TEXT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "out_proj")
+TIME_IDS = False  # conditioned on each image's size (SDXL's time ids)
+MAX_SEQUENCE_LENGTH = None  # no T5
+TRAINING_GUIDANCE = None  # no guidance input (Flux.1-dev's guidance embedding)
+OPTIONAL_COMPONENTS = None  # components a pipeline may go without (SD3's T5)
+SAMPLERS = SCHEDULER_CLASSES  # --scheduler / --validation_scheduler names (common/diffusion.py)
+SAMPLER, SAMPLE_STEPS, SAMPLE_GUIDANCE = "dpm", 30, 7.5  # sample.py's and the validation images' defaults
+SAMPLE_FLAGS = ("negative_prompt", "guidance_rescale", "clip_skip")  # sample.py's flags its pipeline takes
+PIPELINE_EXTRAS = {"safety_checker": None, "feature_extractor": None, "requires_safety_checker": False}
+
+
+def native_resolution(configs):
+    """The base's own image size: its VAE's sample_size (512 for SD 1.5), or None."""
+    return vae_sample_size(configs["vae"])
+
+
+SINGLE_FILE = True  # the original single-file checkpoint layout holds it (train_text_to_image.py --save_model_as)
+NATIVE_SIZE_FROM = "VAE"  # whose config's sample_size is the native training size
+RESOLUTION_FACTOR = "the VAE's downsampling factor"
+
+
+def resolution_factor(configs):
+    """What an image side must be a multiple of: the VAE's downsampling factor (8)."""
+    return vae_factor(configs["vae"])
+
+
+def size_factor(configs):
+    """What every side of a training image is a multiple of for buckets: the VAE's downsampling times the UNet's (64
+    for SD 1.5: 8 x 8; 8 for the tiny base), so that every level of the UNet sees whole pixels."""
+    return vae_factor(configs["vae"]) * 2 ** (len(configs["unet"]["block_out_channels"]) - 1)
+
+
+def fit_problems(denoiser_config, configs):
+    """A fresh UNet (train_text_to_image.py --unet_config) against the base's other parts: [(key, has, wants, what)]."""
+    return [(key, denoiser_config.get(key, default), want, what) for key, default, want, what in (
+        ("cross_attention_dim", None, configs.get("text_encoder", {}).get("hidden_size"),
+         "the text encoder's hidden size"),
+        ("in_channels", 4, configs["vae"].get("latent_channels"), "the VAE's latent channels"))
+        if want is not None and denoiser_config.get(key, default) != want]
+
+
+def tokenize(parts, prompts, max_sequence_length=None):
+    """Prompts -> token ids, one tensor per text encoder of TEXT_ENCODERS that the pipeline holds (CLIP: 77)."""
+    return [clip_ids(parts["tokenizer"], prompts)]
+
+
+def encode_prompts(parts, ids):
+    """Token ids (tokenize's, on the text encoders' device) -> the UNet's conditioning, as the pipeline computes it:
+    the last hidden states. parts: the pipeline's components by name (the text encoders may be prepared ones)."""
+    return {"prompt_embeds": parts["text_encoder"](ids[0])[0]}
+
+
+def empty_prompt_zeros(index):
+    """Does the pipeline (model_index.json `index`) sample the unconditional branch with zeros rather than the
+    embedding of ""? Then caption dropout trains on zeros too."""
+    return False
+
+
+def denoise(unet, noisy, timesteps, cond, guidance=None):
+    """The UNet's prediction for noisy latents [B, C, H, W] at the training scheduler's timesteps."""
+    return unet(noisy, timesteps, cond["prompt_embeds"], return_dict=False)[0]
+
+
+def pipeline_prompt_kwargs(cond, uncond):
+    """A pipeline call's arguments for embeddings computed beforehand (cond; uncond: the empty prompt's, or None)."""
+    kwargs = {"prompt_embeds": cond["prompt_embeds"]}
+    if uncond is not None:
+        kwargs["negative_prompt_embeds"] = uncond["prompt_embeds"]
+    return kwargs
+
+
+def sample_size(pipe):
+    """(height, width) the pipeline draws at by default: its UNet's sample_size in pixels."""
+    size = pipe.unet.config.sample_size * pipe.vae_scale_factor
+    return size, size
+
+
+def unpack_latents(pipe, latents, height, width):
+    """A pipeline's output_type="latent" result -> latents [B, C, h, w] for the VAE."""
+    return latents
+
+
+def text_encoder_targets(name, encoder, targets):
+    """The modules of text encoder `name` that get LoRA."""
+    return list(targets)
+
+
+def base_metadata(denoiser_config, prediction_type):
+    """What LoRA metadata says of the base: kohya's ss_base_model_version and ss_v2, ModelSpec's architecture and
+    prediction type. SD 2 attends to 1024-wide text embeddings (SD 1 to 768); a v-prediction base adds kohya's `_v`."""
+    v2, v = denoiser_config.get("cross_attention_dim") == 1024, prediction_type == "v_prediction"
+    architecture = ("stable-diffusion-v2-768-v" if v else "stable-diffusion-v2-512") if v2 else "stable-diffusion-v1"
+    return {"ss_base_model_version": ("sd_v2" if v2 else "sd_v1") + ("_v" if v else ""), "ss_v2": str(v2),
+            "modelspec.architecture": f"{architecture}/lora",
+            "modelspec.prediction_type": "v" if v else prediction_type}
+
+
+def kohya_module_name(component, module, denoiser_config):
+    """A module's name in kohya's LoRA files (what A1111 and ComfyUI map): SD 1.x/2.x's files keep diffusers' module
+    paths, dots as underscores, under lora_unet_ / lora_te_ (the CLIP text model under `text_model.`)."""
+    if component == "unet":
+        return "lora_unet_" + module.replace(".", "_")
+    module = module if module.startswith("text_model.") else "text_model." + module
+    return "lora_te_" + module.replace(".", "_")

@@ -1,0 +1,227 @@
+"""LoRA files of the latent diffusion recipes, whatever the family: lora_info.json (which ties a LoRA to its base, so
+sample.py finds the base from the LoRA alone), the checkpoint hooks (the peft adapter state, and the EMA of the LoRA
+weights), the LoRA files users load (the family names the pipeline that saves them and the kohya names the UIs read),
+their headers read without torch, and a summary of a file's training metadata for people."""
+import json
+import os
+
+from .cli import UserError
+from .families import TWO_CLIPS, lora_family
+
+LORA_INFO = "lora_info.json"
+LORA_WEIGHTS = "pytorch_lora_weights.safetensors"  # diffusers' name: pipe.load_lora_weights(folder) finds it
+ADAPTER_FILE = "adapter_model.safetensors"
+KOHYA_WEIGHTS = "pytorch_lora_weights_kohya.safetensors"
+
+
+def safetensors_header(path, flag):
+    """The JSON header of a .safetensors file (an 8-byte length, then a table of tensors and `__metadata__`), read
+    without torch so that a wrong or damaged file is reported at once."""
+    try:
+        with open(path, "rb") as f:
+            size = int.from_bytes(f.read(8), "little")
+            if not 2 <= size <= 100 * 2**20:
+                raise ValueError("no safetensors header")
+            header = json.loads(f.read(size))
+        if not isinstance(header, dict):
+            raise ValueError("no safetensors header")
+    except (OSError, ValueError) as err:
+        raise UserError(f"{flag} '{path}' is not a readable .safetensors file ({err}); give a LoRA saved as "
+                        "safetensors (diffusers, peft or kohya format)") from None
+    return header
+
+
+def check_safetensors(path, flag):
+    """A .safetensors file whose header reads. -> the tensor names it holds."""
+    return [name for name in safetensors_header(path, flag) if name != "__metadata__"]
+
+
+def write_lora_info(folder, info):
+    """info: base_model, revision, variant, rank, lora_alpha, target_modules, ... (JSON-able)."""
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, LORA_INFO)
+    with open(path + ".tmp", "w") as f:
+        json.dump(info, f, indent=2)
+    os.replace(path + ".tmp", path)
+
+
+def read_lora_info(folder):
+    """The lora_info.json of a train_lora.py output or checkpoint folder, or None."""
+    path = os.path.join(folder, LORA_INFO)
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def save_lora_state(model, path):
+    """Checkpoint save hook (`register_state_hooks(save_fn=...)`): the adapter's weights only, peft names."""
+    from peft.utils import get_peft_model_state_dict
+    from safetensors.torch import save_file
+
+    os.makedirs(path, exist_ok=True)
+    state = {k: v.detach().contiguous() for k, v in get_peft_model_state_dict(model).items()}
+    save_file(state, os.path.join(path, ADAPTER_FILE))
+
+
+def load_lora_state(model, path, dtype):
+    """Checkpoint load hook: really set the adapter (a silent no-op would resume from the initial LoRA), then
+    upcast it again to the trainable dtype."""
+    from diffusers.training_utils import cast_training_params
+    from peft.utils import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    result = set_peft_model_state_dict(model, load_file(os.path.join(path, ADAPTER_FILE)), adapter_name="default")
+    problems = list(result.unexpected_keys) + [k for k in result.missing_keys if "lora_" in k]
+    if problems:
+        raise UserError(f"--resume_from_checkpoint: {path} does not fit this LoRA ({problems[0]} ...)")
+    cast_training_params(model, dtype=dtype)
+
+
+LORA_EMA_WEIGHTS = "lora_ema.safetensors"  # in a checkpoint of a --use_ema run: the EMA of the LoRA weights
+LORA_EMA_STATE = "lora_ema.json"  # beside it: EMAModel's scalar state (optimization_step, decay, ...)
+
+
+def save_lora_ema(ema, names, folder):
+    """Checkpoint `extra_save`: an EMAModel of the LoRA weights as safetensors, each shadow under its parameter's
+    name (`names`, in the order given to EMAModel), and its scalar state as JSON; no pickle."""
+    from safetensors.torch import save_file
+
+    os.makedirs(folder, exist_ok=True)
+    state = ema.state_dict()
+    shadows = state.pop("shadow_params")
+    save_file({name: p.detach().cpu().contiguous() for name, p in zip(names, shadows, strict=True)},
+              os.path.join(folder, LORA_EMA_WEIGHTS))
+    with open(os.path.join(folder, LORA_EMA_STATE), "w") as f:
+        json.dump({**state, "cur_decay_value": ema.cur_decay_value}, f, indent=2)
+
+
+def load_lora_ema(ema, names, folder, device):
+    """Checkpoint `extra_load`: the EMAModel back as save_lora_ema wrote it, its shadows in fp32 on `device`."""
+    import torch
+    from safetensors.torch import load_file
+
+    weights = load_file(os.path.join(folder, LORA_EMA_WEIGHTS))
+    with open(os.path.join(folder, LORA_EMA_STATE)) as f:
+        state = json.load(f)
+    if sorted(weights) != sorted(names) or any(weights[n].shape != p.shape for n, p in zip(names, ema.shadow_params)):
+        odd = sorted(set(weights) ^ set(names)) or [n for n, p in zip(names, ema.shadow_params)
+                                                       if weights[n].shape != p.shape]
+        raise UserError(f"--resume_from_checkpoint: {folder}/{LORA_EMA_WEIGHTS} does not fit this LoRA ({odd[0]} ...)")
+    cur_decay_value = state.pop("cur_decay_value", None)
+    ema.load_state_dict({**state, "shadow_params": [weights[n].to(device, torch.float32) for n in names]})
+    ema.cur_decay_value = cur_decay_value
+
+
+def save_lora_weights(folder, family, lora_models, info, kohya=False, metadata=None):
+    """lora_models: {"unet" or "transformer": ..., "text_encoder": ..., ...} (peft-adapted, unwrapped), of a base of
+    `family`. Writes pytorch_lora_weights.safetensors with the family's pipeline's `save_lora_weights` (the adapter
+    configs ride along as diffusers' metadata, so alpha and DoRA load back), lora_info.json, and with `kohya` the
+    kohya-format file. `metadata` ({str: str}, common/lora_metadata.py's lora_metadata) goes into the header of both
+    files. Main process only."""
+    import diffusers
+    from diffusers.loaders.lora_base import LORA_ADAPTER_METADATA_KEY
+    from diffusers.utils import convert_state_dict_to_diffusers
+    from peft.utils import get_peft_model_state_dict
+    from safetensors.torch import save_file
+
+    states = {name: get_peft_model_state_dict(model) for name, model in lora_models.items()}
+    configs = {name: model.peft_config["default"].to_dict() for name, model in lora_models.items()}
+    text_layers = {f"{name}_lora_layers": {text_encoder_key(key): value for key, value in
+                                           convert_state_dict_to_diffusers(state).items()}
+                   for name, state in states.items() if name != family.DENOISER}
+    header = {"format": "pt", **(metadata or {})}
+    # diffusers writes its adapter metadata only with its own save function: the same entry, written here beside ours
+    adapter_configs = {f"{name}.{key}": value for name, config in configs.items() for key, value in config.items()}
+    header[LORA_ADAPTER_METADATA_KEY] = json.dumps(adapter_configs, indent=2, sort_keys=True, default=sorted)
+    getattr(diffusers, family.PIPELINE).save_lora_weights(
+        # The denoiser's keys stay in peft's format (lora_A/lora_B): converted, a UNet's attention layers get
+        # diffusers' old names (lora.down/lora.up) while convolutions keep peft's, and the loader then drops the
+        # attention ones without an error (a LoRA on attention and convolutions would load half applied).
+        folder, weight_name=LORA_WEIGHTS, **{f"{family.DENOISER}_lora_layers": states[family.DENOISER]},
+        **text_layers, save_function=lambda weights, path: save_file(weights, path, metadata=header))
+    if kohya:
+        config = lora_models[family.DENOISER].config
+        weights = {}
+        for name, state in states.items():
+            weights.update(peft_to_kohya(state, info["lora_alpha"],
+                                         lambda module, name=name: family.kohya_module_name(name, module, config)))
+        save_file(weights, os.path.join(folder, KOHYA_WEIGHTS), metadata={"format": "pt", **(metadata or {})})
+    write_lora_info(folder, info)
+
+
+def lora_file_metadata(path):
+    """The `__metadata__` of a LoRA .safetensors file (or of a folder's pytorch_lora_weights.safetensors), without
+    torch; {} for a hub id or a file without any."""
+    file = os.path.join(path, LORA_WEIGHTS) if os.path.isdir(path) else path
+    if not os.path.isfile(file):
+        return {}
+    metadata = safetensors_header(file, "--lora").get("__metadata__")
+    return {str(key): str(value) for key, value in metadata.items()} if isinstance(metadata, dict) else {}
+
+
+def describe_lora(metadata):
+    """A few lines for people from a LoRA file's metadata: train_lora.py's keys, else kohya's ss_* and ModelSpec's
+    (LoRAs from kohya's sd-scripts and the tools that follow it). [] when it holds none of them."""
+    get = metadata.get
+    lines = []
+    base, version = get("base_model") or get("ss_sd_model_name"), get("ss_base_model_version")
+    resolution = get("modelspec.resolution") or get("ss_resolution")
+    if base or version or resolution:
+        lines.append(f"base model: {base or 'unknown'}" + (f" ({version})" if version else "")
+                     + (f", trained at {resolution}" if resolution else ""))
+    rank, alpha = get("rank") or get("ss_network_dim"), get("lora_alpha") or get("ss_network_alpha")
+    if rank:
+        targets = get("target_modules")
+        lines.append(f"rank {rank}, alpha {alpha or rank}" + (f", on {targets.replace(',', ', ')}" if targets else "")
+                     + ((" and both CLIP text encoders" if lora_family(metadata, [])[0] in TWO_CLIPS
+                         else " and the text encoder")
+                        if get("text_encoder_target_modules") else ""))
+    steps, total = get("ss_steps"), get("ss_max_train_steps")
+    if steps or total:
+        dataset = get("dataset") or ", ".join(json_keys(get("ss_dataset_dirs")))
+        images = get("ss_num_train_images")
+        lines.append(f"trained {steps or '?'}" + (f" of {total}" if total and total != steps else "") + " steps"
+                     + (f" on {dataset}" if dataset else "") + (f" ({images} images)" if images else "")
+                     + (f", learning rate {get('ss_learning_rate')}" if get("ss_learning_rate") else "")
+                     + (f", {get('ss_optimizer')}" if get("ss_optimizer") else ""))
+    trigger = get("modelspec.trigger_phrase") or get("trigger")
+    if trigger:
+        lines.append(f"trigger: {trigger} (put it in the prompt)")
+    return lines
+
+
+def json_keys(text):
+    """The keys of a JSON object in a metadata string (kohya's ss_dataset_dirs); [] for anything else."""
+    try:
+        value = json.loads(text or "{}")
+    except ValueError:
+        return []
+    return list(value) if isinstance(value, dict) else []
+
+
+def text_encoder_key(key):
+    """A text-encoder key as diffusers' training scripts write it for CLIP, under `text_model.`: transformers 4's
+    CLIPTextModel has that level, transformers 5's does not (diffusers' loader strips it for such a model). A DoRA
+    magnitude as `...lora_magnitude_vector.weight`, the name transformers' load_adapter (where `load_lora_weights`
+    sends the text encoder's keys) matches: peft's own name lacks the `.weight`, and load_adapter drops it."""
+    key = key if key.startswith("text_model.") else "text_model." + key
+    return key + ".weight" if key.endswith(".lora_magnitude_vector") else key
+
+
+def peft_to_kohya(state_dict, alpha, name_of):
+    """peft keys `<module>.lora_A.weight` / `.lora_B.weight` -> `<name_of(module)>` with `.lora_down.weight`,
+    `.lora_up.weight` and `.alpha` (diffusers' own names give ComfyUI "lora key not loaded"). name_of: the family's
+    kohya_module_name for one component."""
+    import torch
+
+    names = {"A.weight": "lora_down.weight", "B.weight": "lora_up.weight"}
+    kohya = {}
+    for key, value in state_dict.items():
+        module, _, kind = key.rpartition(".lora_")
+        if kind not in names:
+            raise ValueError(f"kohya export: no kohya name for '{key}' (DoRA magnitudes and biases have none)")
+        name = name_of(module)
+        kohya[f"{name}.{names[kind]}"] = value.detach().contiguous()
+        kohya[f"{name}.alpha"] = torch.tensor(float(alpha), dtype=value.dtype)
+    return kohya

@@ -1,0 +1,88 @@
+"""Validation images of the text-to-image trainers, for any family: the family's pipeline built around the weights
+being trained, drawn from the cached prompt embeddings when the text encoders are frozen (they may have left the
+accelerator), decoded by the VAE in fp32, saved under samples/step-N/ and logged to the trackers."""
+import os
+
+
+def validation_images(args, accelerator, family, parts, scheduler, step, sizes=None, embeddings=None):
+    """Images of --validation_prompt from the current weights (main process; the others wait), saved under
+    samples/step-N/ and logged to the trackers (a row per prompt, and per size: `sizes` [(height, width)], default
+    the family's own sample size). parts: the pipeline's components, by their names (the trained ones unwrapped);
+    scheduler: the training scheduler, whose settings the sampler takes (--validation_scheduler); embeddings(prompt)
+    -> the family's conditioning of a prompt (cached; "" is the unconditional one), or None: the pipeline encodes
+    the prompts itself."""
+    import diffusers
+    import torch
+
+    from .diffusion import image_grid, sampling_scheduler
+    from .reporting import log_image
+    from .vae import decode_fp32
+
+    paths = []
+    if accelerator.is_main_process:
+        sampler = sampling_scheduler(args.validation_scheduler or family.SAMPLER, scheduler.config, family.SAMPLERS)
+        pipe = getattr(diffusers, family.PIPELINE)(**parts, scheduler=sampler, **family.PIPELINE_EXTRAS)
+        pipe.set_progress_bar_config(disable=True)
+        models = [model for model in parts.values() if isinstance(model, torch.nn.Module)]
+        modes = [model.training for model in models]
+        for model in models:
+            model.eval()
+        folder = os.path.join(args.output_dir, "samples", f"step-{step}")
+        os.makedirs(folder, exist_ok=True)
+        for p, prompt in enumerate(args.validation_prompt):
+            if embeddings is not None:
+                uncond = embeddings("") if args.validation_guidance_scale > 1 else None
+                text = family.pipeline_prompt_kwargs(*[None if c is None else {
+                    k: v.to(accelerator.device).expand(args.num_validation_images, *v.shape[1:])
+                    for k, v in c.items()} for c in (embeddings(prompt), uncond)])
+            else:  # (at the T5 length the run trains with)
+                text = {"prompt": [prompt] * args.num_validation_images}
+                if "max_sequence_length" in family.SAMPLE_FLAGS:
+                    text["max_sequence_length"] = args.max_sequence_length
+            for s, (height, width) in enumerate(sizes or [family.sample_size(pipe)]):
+                generators = [torch.Generator().manual_seed(args.seed + j) for j in range(args.num_validation_images)]
+                with torch.no_grad(), accelerator.autocast():
+                    latents = pipe(**text, num_inference_steps=args.validation_inference_steps,
+                                   guidance_scale=args.validation_guidance_scale, generator=generators,
+                                   height=height, width=width, output_type="latent").images
+                images = decode_fp32(pipe, family.unpack_latents(pipe, latents, height, width))
+                size = f"-{width}x{height}" if s else ""  # the first size keeps the plain names
+                for j, image in enumerate(images):
+                    paths.append(os.path.join(folder, f"{p}-{j}{size}.png"))
+                    image.save(paths[-1])
+                log_image(accelerator, f"validation/{p}{size}", image_grid(images, ncol=len(images)), step)
+        for model, mode in zip(models, modes):
+            model.train(mode)
+    accelerator.wait_for_everyone()
+    return paths
+
+
+def add_validation_image_args(group, validation_steps):
+    """The validation-image flags of the text-to-image trainers (diffusers' names); the family gives the defaults
+    left None (check_validation_image_args)."""
+    from .args import positive_float, positive_int
+    from .diffusion import FLOW_SCHEDULER_CLASSES, SCHEDULER_CLASSES
+
+    group.add_argument("--validation_prompt", action="append", default=[], help="Repeatable.")
+    group.add_argument("--num_validation_images", type=positive_int, default=2, help="Images per prompt.")
+    group.add_argument("--validation_steps", type=positive_int, default=validation_steps,
+                       help="Every N optimizer steps, and at the end.")
+    group.add_argument("--validation_scheduler", default=None,
+                       choices=sorted(set(SCHEDULER_CLASSES) | set(FLOW_SCHEDULER_CLASSES)),
+                       help="Sampler of the validation images (sample.py's default too): dpm (DPM-Solver++) for SD "
+                            "1.x/2.x and SDXL, euler (the pipelines' flow-matching Euler) for SD3 and Flux.1.")
+    group.add_argument("--validation_inference_steps", type=positive_int, default=20)
+    group.add_argument("--validation_guidance_scale", type=positive_float, default=None,
+                       help="Default: the family's (sample.py's): 7.5 for SD 1.x/2.x and SDXL, 7.0 for SD3, 3.5 for "
+                            "Flux.1 (its guidance embedding).")
+
+
+def check_validation_image_args(args, family):
+    """The sampler must be one of the family's; the family's guidance by default."""
+    from .cli import UserError
+
+    if args.validation_scheduler and args.validation_scheduler not in family.SAMPLERS:
+        raise UserError(f"--validation_scheduler {args.validation_scheduler}: {family.NAME} bases sample with "
+                        f"{', '.join(sorted(family.SAMPLERS))}")
+    if args.validation_guidance_scale is None:
+        args.validation_guidance_scale = family.SAMPLE_GUIDANCE

@@ -1,0 +1,167 @@
+"""Flow matching (common/objectives.py) and the SD3 / Flux.1 family modules against diffusers' own computation, on the
+tiny random-init builds: one fixed batch, fixed noise and sigmas, the loss as diffusers' train_dreambooth_lora_sd3.py
+and _flux.py compute it (their get_sigmas, x_t, FluxPipeline's packing and ids, the /1000 timestep, SD3's
+preconditioning, compute_loss_weighting_for_sd3), the prompt embeddings as the pipelines' own encode_prompt makes them,
+the training sigmas (SD3's shifted, Flux's not) and the timestep draw; the flags each objective refuses."""
+import argparse
+
+import pytest
+import torch
+from conftest import ROOT
+
+from common.families import family_module
+from common.objectives import check_objective_args, make_objective
+
+FLOW_FLAGS = dict(prediction_type=None, snr_gamma=None, noise_offset=None, weighting_scheme=None, logit_mean=None,
+                  logit_std=None, mode_scale=None, precondition_outputs=None)
+
+
+def flags(**given):
+    return argparse.Namespace(**{**FLOW_FLAGS, **given})
+
+
+@pytest.fixture(scope="module")
+def pipes(tiny_flux, tiny_sd3):
+    import diffusers
+
+    return {"flux": diffusers.FluxPipeline.from_pretrained(tiny_flux),
+            "sd3": diffusers.StableDiffusion3Pipeline.from_pretrained(tiny_sd3),
+            "paths": {"flux": tiny_flux, "sd3": tiny_sd3}}
+
+
+def pipeline_embeddings(pipe, name, prompts):
+    """The pipeline's own encode_prompt, at T5 length 16."""
+    if name == "flux":
+        embeds, pooled, _ = pipe.encode_prompt(prompts, prompt_2=None, max_sequence_length=16)
+    else:
+        embeds, _, pooled, _ = pipe.encode_prompt(prompts, None, None, do_classifier_free_guidance=False,
+                                                  max_sequence_length=16)
+    return embeds, pooled
+
+
+@pytest.mark.parametrize("name", ["flux", "sd3"])
+def test_prompt_embeddings_are_the_pipelines_own(pipes, name):
+    family, pipe = family_module(name), pipes[name]
+    prompts = ["a handwritten digit seven", "", "red ink on paper"]
+    ours = family.encode_prompts(pipe.components, family.tokenize(pipe.components, prompts, 16))
+    embeds, pooled = pipeline_embeddings(pipe, name, prompts)
+    assert torch.equal(ours["prompt_embeds"], embeds) and torch.equal(ours["pooled_prompt_embeds"], pooled)
+
+
+@pytest.mark.parametrize("name, scheme", [("flux", None), ("sd3", None), ("sd3", "sigma_sqrt"), ("flux", "cosmap")])
+def test_one_batch_loss_equals_diffusers_example(pipes, name, scheme):
+    """Our objective + family denoiser against the lines of diffusers' example, written out with diffusers' own
+    helpers: the same loss to float rounding, for the family's default scheme and a weighted one."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline
+    from diffusers.training_utils import compute_loss_weighting_for_sd3
+
+    family, pipe = family_module(name), pipes[name]
+    args = flags(weighting_scheme=scheme)
+    check_objective_args(args, family)
+    scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(pipes["paths"][name], subfolder="scheduler")
+    objective = make_objective(family, scheduler, args)
+    g = torch.Generator().manual_seed(0)
+    x0, noise = torch.randn(2, 16, 8, 8, generator=g), torch.randn(2, 16, 8, 8, generator=g)
+    indices = torch.tensor([100, 750])
+    prompts = ["a handwritten digit seven", "a handwritten digit two"]
+    cond = family.encode_prompts(pipe.components, family.tokenize(pipe.components, prompts, 16))
+    guidance = 3.5 if name == "flux" else None
+    with torch.no_grad():
+        noised = objective.at(x0, noise, indices)
+        ours = objective.losses(family.denoise(pipe.transformer, noised.noisy, noised.timesteps, cond, guidance),
+                                noised).mean()
+
+        # diffusers' example: timesteps from the density's indices, get_sigmas, x_t, the model call, the loss
+        timesteps = scheduler.timesteps[indices]
+        steps = [(scheduler.timesteps == t).nonzero().item() for t in timesteps]
+        sigmas = scheduler.sigmas[steps].flatten().view(-1, 1, 1, 1)
+        x_t = (1.0 - sigmas) * x0 + sigmas * noise
+        embeds, pooled = pipeline_embeddings(pipe, name, prompts)
+        if name == "flux":
+            vae_scale = 2 ** (len(pipe.vae.config.block_out_channels) - 1)
+            packed = FluxPipeline._pack_latents(x_t, 2, 16, 8, 8)
+            out = pipe.transformer(hidden_states=packed, timestep=timesteps / 1000,
+                                   guidance=torch.tensor([3.5]).expand(2), pooled_projections=pooled,
+                                   encoder_hidden_states=embeds, txt_ids=torch.zeros(embeds.shape[1], 3),
+                                   img_ids=FluxPipeline._prepare_latent_image_ids(2, 4, 4, "cpu", torch.float32),
+                                   return_dict=False)[0]
+            pred = FluxPipeline._unpack_latents(out, 8 * vae_scale, 8 * vae_scale, vae_scale)
+            target = noise - x0
+        else:
+            out = pipe.transformer(hidden_states=x_t, timestep=timesteps, encoder_hidden_states=embeds,
+                                   pooled_projections=pooled, return_dict=False)[0]
+            pred, target = out * (-sigmas) + x_t, x0  # --precondition_outputs 1, the SD3 script's default
+        weighting = compute_loss_weighting_for_sd3(args.weighting_scheme, sigmas)
+        theirs = torch.mean((weighting.float() * (pred.float() - target.float()) ** 2).reshape(2, -1), 1).mean()
+    assert torch.allclose(ours, theirs, rtol=1e-5, atol=1e-7), (ours, theirs)
+    if scheme:  # the weights are not all 1: the comparison can tell
+        assert not torch.allclose(weighting, torch.ones_like(weighting))
+
+
+def test_training_sigmas_are_shifted_for_sd3_not_for_flux(pipes):
+    """SD3's scheduler shifts its training sigmas by its config's shift (3.0); Flux's shifts dynamically, at sampling
+    only: a sigma schedule off by a shift would train every step at the wrong noise level."""
+    for name in ("sd3", "flux"):
+        scheduler = pipes[name].scheduler.__class__.from_config(pipes[name].scheduler.config)
+        objective = make_objective(family_module(name), scheduler, flags(weighting_scheme="none",
+                                                                         precondition_outputs=0))
+        plain = torch.linspace(1, 1000, 1000).flip(0) / 1000
+        shift = scheduler.config.shift
+        expected = plain if name == "flux" else shift * plain / (1 + (shift - 1) * plain)
+        assert torch.allclose(objective.sigmas, expected, atol=1e-6), name
+        assert torch.allclose(objective.timesteps, objective.sigmas * 1000, atol=1e-3)
+    assert pipes["sd3"].scheduler.config.shift == 3.0 and pipes["flux"].scheduler.config.use_dynamic_shifting
+
+
+@pytest.mark.parametrize("scheme", ["logit_normal", "mode", "none"])
+def test_the_training_draw_is_diffusers_density(pipes, scheme):
+    """noise first, then u from compute_density_for_timestep_sampling, index u * 1000: the draws of diffusers'
+    scripts, in their order."""
+    from diffusers.training_utils import compute_density_for_timestep_sampling
+
+    args = flags(weighting_scheme=scheme)
+    family = family_module("sd3")
+    check_objective_args(args, family)
+    objective = make_objective(family, pipes["sd3"].scheduler.__class__.from_config(pipes["sd3"].scheduler.config),
+                               args)
+    x0 = torch.zeros(64, 16, 2, 2)
+    torch.manual_seed(3)
+    noised = objective(x0)
+    torch.manual_seed(3)
+    noise = torch.randn_like(x0)
+    u = compute_density_for_timestep_sampling(scheme, 64, 0.0, 1.0, 1.29)
+    indices = (u * 1000).long().clamp(0, 999)
+    assert torch.equal(noised.noisy, objective.sigmas[indices].view(-1, 1, 1, 1) * noise)
+    assert torch.equal(noised.timesteps, objective.timesteps[indices])
+
+
+@pytest.mark.parametrize("name, flag, value", [("flux", "prediction_type", "v_prediction"),
+                                               ("sd3", "snr_gamma", 5.0), ("flux", "noise_offset", 0.05),
+                                               ("sd", "weighting_scheme", "logit_normal"),
+                                               ("sdxl", "precondition_outputs", 1)])
+def test_a_flag_of_the_other_objective_is_refused(name, flag, value):
+    from common.cli import UserError
+
+    with pytest.raises(UserError, match=f"--{flag} .*means nothing for a"):
+        check_objective_args(flags(**{flag: value}), family_module(name))
+
+
+def test_family_defaults_are_diffusers_scripts():
+    for name, scheme, precondition in (("flux", "none", 0), ("sd3", "logit_normal", 1)):
+        args = flags()
+        check_objective_args(args, family_module(name))
+        assert (args.weighting_scheme, args.precondition_outputs, args.logit_mean, args.logit_std, args.mode_scale) \
+            == (scheme, precondition, 0.0, 1.0, 1.29)
+
+
+def test_no_code_outside_the_families_names_a_pipeline_class():
+    """The recipes dispatch on common/families/: no other code compares family or pipeline class names."""
+    import re
+
+    name = r"""["'](StableDiffusion\w*|Flux\w*|sd|sdxl|sd3|flux)["']"""
+    pattern = re.compile(rf"(==|!=|startswith\(|\bin\s*[(\[{{])\s*{name}|{name}\s*(==|!=|\bin\b)")
+    offenders = [f"{path.relative_to(ROOT)}:{number}: {line.strip()}"
+                 for path in [*ROOT.glob("*.py"), *ROOT.glob("common/*.py")]
+                 for number, line in enumerate(path.read_text().splitlines(), 1) if pattern.search(line)]
+    assert offenders == []
+    assert pattern.search('if kind == "sdxl":') and pattern.search("if name in ('sd', 'sdxl'):")

@@ -1,0 +1,281 @@
+"""The flow-matching families end to end on the tiny random-init SD3 and Flux.1 (`make tiny-sd3`, `make tiny-flux`):
+train_lora.py with LoRA on the transformer and the CLIP text encoder(s), its files read back by the pipelines'
+load_lora_weights, an exact resume, two processes, sample.py against the pipeline itself, the validation image
+against sample.py, inspect_pipeline.py's trace, train_text_to_image.py's full fine-tune, a copy of train_lora.py with
+the Flux module alone, and the one-line errors of the flags and files that do not fit these families."""
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from conftest import ROOT, assert_one_line_error, launch, logged_losses, read_results, run_script
+from PIL import Image
+from safetensors.torch import load_file
+
+from common.families import family_module
+
+STEPS = ["--max_train_samples", "32", "--train_batch_size", "4", "--max_train_steps", "6", "--checkpointing_steps",
+         "3", "--rank", "4", "--lora_alpha", "8", "--learning_rate", "1e-2", "--text_encoder_lr", "5e-3",
+         "--max_sequence_length", "40", "--caption_dropout_prob", "0.2", "--random_flip", "--logging_steps", "1",
+         "--cache_latents"]
+VALIDATION = ["--validation_prompt", "a handwritten digit seven", "--validation_steps", "6",
+              "--num_validation_images", "1", "--validation_inference_steps", "2", "--validation_split", "0.1"]
+PIPELINES = {"flux": "FluxPipeline", "sd3": "StableDiffusion3Pipeline"}
+
+
+@pytest.fixture(scope="module")
+def bases(tiny_flux, tiny_sd3):
+    return {"flux": tiny_flux, "sd3": tiny_sd3}
+
+
+@pytest.fixture(scope="module", params=["flux", "sd3"])
+def trained(request, bases, digits, tmp_path_factory):
+    name = request.param
+    out = tmp_path_factory.mktemp(f"lora-{name}") / "run"
+    proc = launch("train_lora.py", "--train_data_dir", digits, "--pretrained_model_name_or_path", bases[name],
+                  "--output_dir", out, *STEPS, *VALIDATION, "--train_text_encoder")
+    (out.parent / "stderr.txt").write_text(proc.stderr)
+    return name, bases[name], out
+
+
+def pipeline(name, base):
+    import diffusers
+
+    return getattr(diffusers, PIPELINES[name]).from_pretrained(base)
+
+
+def fixed_outputs(name, pipe):
+    """The transformer's output on fixed inputs, and each CLIP text encoder's on one prompt."""
+    family = family_module(name)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 16, 8, 8, generator=g)
+    ids = family.tokenize(pipe.components, ["a handwritten digit seven"] * 2, 40)
+    with torch.no_grad():
+        cond = family.encode_prompts(pipe.components, ids)
+        out = family.denoise(pipe.transformer, x, torch.tensor([100.0, 700.0]), cond, 3.5 if name == "flux" else None)
+        texts = [pipe.components[enc](ids[i])[0] for i, enc in enumerate(family.TEXT_ENCODERS)
+                 if enc in family.LORA_TEXT_ENCODERS]
+    return out, texts
+
+
+def reference(name, base, checkpoint):
+    """The trained models as the run held them: the base plus peft adapters set from the checkpoint's own state."""
+    from peft import LoraConfig
+    from peft.utils import set_peft_model_state_dict
+
+    family, pipe = family_module(name), pipeline(name, base)
+    models = {"transformer": family.LORA_TARGETS.split(","),
+              **{enc: list(family.TEXT_LORA_TARGETS) for enc in family.LORA_TEXT_ENCODERS}}
+    for part, targets in models.items():
+        pipe.components[part].add_adapter(LoraConfig(r=4, lora_alpha=8, init_lora_weights="gaussian",
+                                                     target_modules=targets))
+        set_peft_model_state_dict(pipe.components[part], load_file(checkpoint / part / "adapter_model.safetensors"))
+    return pipe
+
+
+def test_the_lora_loads_back_exactly(trained):
+    name, base, out = trained
+    results = read_results(out)
+    assert results["global_step"] == 6 and results["resolution"] == 32
+    assert set(results["validation_losses"]) == {"0", "6"}
+    expected = fixed_outputs(name, reference(name, base, out / "checkpoint-6"))
+    plain = fixed_outputs(name, pipeline(name, base))
+    assert (plain[0] - expected[0]).abs().max() > 1e-4  # it learned
+    pipe = pipeline(name, base)
+    pipe.load_lora_weights(out)
+    got = fixed_outputs(name, pipe)
+    assert (got[0] - expected[0]).abs().max() < 1e-5
+    assert len(got[1]) == len(family_module(name).LORA_TEXT_ENCODERS)
+    for ours, theirs, base_text in zip(got[1], expected[1], plain[1]):
+        assert (ours - theirs).abs().max() < 1e-5 and (base_text - theirs).abs().max() > 1e-5
+    info = json.loads((out / "lora_info.json").read_text())
+    assert info["target_modules"] == family_module(name).LORA_TARGETS.split(",")
+    card = (out / "README.md").read_text()
+    assert PIPELINES[name] in card
+
+
+def test_resume_is_exact(trained, digits, tmp_path):
+    """From checkpoint-3, the same steps 4-6 (losses) and the same LoRA, bit for bit."""
+    name, base, out = trained
+    resumed = tmp_path / "resumed"
+    resumed.mkdir()
+    shutil.copytree(out / "checkpoint-3", resumed / "checkpoint-3")
+    launch("train_lora.py", "--train_data_dir", digits, "--pretrained_model_name_or_path", base, "--output_dir",
+           resumed, *STEPS, *VALIDATION, "--train_text_encoder", "--resume_from_checkpoint", "latest")
+    full, again = logged_losses(out), logged_losses(resumed)
+    assert [again[s] for s in (4, 5, 6)] == [full[s] for s in (4, 5, 6)]
+    a, b = load_file(out / "pytorch_lora_weights.safetensors"), load_file(resumed / "pytorch_lora_weights.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def pixels(path):
+    return np.asarray(Image.open(path).convert("RGB")).astype(int)
+
+
+def test_sample_py_is_the_pipeline_and_the_validation_image(trained, tmp_path):
+    """sample.py on the run's output draws what the pipeline draws with the LoRA loaded (within one level), and what
+    the run drew for its last validation (same prompt, seed, steps, sampler)."""
+    name, base, out = trained
+    proc = run_script("sample.py", "--model", out, "--prompt", "a handwritten digit seven", "--num_images", "1",
+                      "--num_inference_steps", "2", "--max_sequence_length", "40", "--output_dir", tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    drawn = pixels(tmp_path / "0000.png")
+    params = json.loads(Image.open(tmp_path / "0000.png").text["parameters"])
+    assert params["guidance_scale"] == family_module(name).SAMPLE_GUIDANCE and params["scheduler"] == "euler"
+    pipe = pipeline(name, base)
+    pipe.load_lora_weights(out)
+    torch.set_num_threads(1)  # as sample.py ran (OMP_NUM_THREADS=1): the same float order
+    image = pipe("a handwritten digit seven", num_inference_steps=2, height=32, width=32, max_sequence_length=40,
+                 generator=torch.Generator().manual_seed(0)).images[0]
+    assert np.abs(drawn - np.asarray(image).astype(int)).max() <= 1
+    assert np.abs(drawn - pixels(out / "samples" / "step-6" / "0-0.png")).max() <= 1
+
+
+def test_inspect_traces_the_flow_pipeline(trained):
+    name, base, _ = trained
+    proc = run_script("inspect_pipeline.py", base, "--trace", "--json", "--num_inference_steps", "2",
+                      "--prompt", "a handwritten digit seven")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout)
+    stages = report["trace"]["stages"]
+    schedule = next(s for s in stages if s["stage"] == "scheduler.set_timesteps")
+    assert schedule["sigmas"][0] == 1.0 and schedule["sigmas"][-1] == 0.0 and len(schedule["sigmas"]) == 3
+    steps = [s for s in stages if s["stage"] == "denoise"]
+    t5 = next(s for s in stages if s["stage"] == ("text_encoder_2" if name == "flux" else "text_encoder_3"))
+    if name == "flux":  # packed 2 x 2: 16 tokens of 64 for an 8 x 8 x 16 latent; the guidance is an input
+        assert report["vae"]["packed_latent_shape"] == [1, 16, 64]
+        assert all(s["transformer_in"]["sample"] == [1, 16, 64] and s["transformer_in"]["img_ids"] == [16, 3]
+                   and s["transformer_in"]["guidance"] == {"shape": [1], "value": 3.5}
+                   and s["transformer_in"]["pooled_projections"] == [1, 32] for s in steps)
+        assert "mu" in schedule and not report["trace"]["guided"] and t5["last_hidden_state"] == [1, 512, 64]
+    else:  # CLIP states (77) then T5's (256) in one sequence of T5's width; both CLIPs' pooled together
+        assert all(s["transformer_in"] == {"sample": [2, 16, 8, 8], "encoder_hidden_states": [2, 333, 96],
+                                           "pooled_projections": [2, 80]} for s in steps)
+        assert report["trace"]["guided"] and t5["last_hidden_state"] == [1, 256, 96]
+
+
+def test_two_processes(bases, digits, tmp_path):
+    """Flux on two CPU processes: the held-out loss at step 0 is the one-process value (the images are shared out
+    and the sums reduced), the run finishes and saves."""
+    args = ["--train_data_dir", digits, "--pretrained_model_name_or_path", bases["flux"], *STEPS,
+            "--max_train_steps", "2", "--validation_split", "0.1"]
+    one = launch("train_lora.py", *args, "--output_dir", tmp_path / "one")
+    two = launch("train_lora.py", *args, "--output_dir", tmp_path / "two", config="cpu_2proc.yaml")
+    assert "2 process(es)" in two.stderr and one.returncode == 0
+    assert read_results(tmp_path / "two")["num_processes"] == 2
+    assert abs(read_results(tmp_path / "one")["validation_losses"]["0"]
+               - read_results(tmp_path / "two")["validation_losses"]["0"]) < 1e-5
+    assert (tmp_path / "two" / "pytorch_lora_weights.safetensors").is_file()
+
+
+@pytest.mark.parametrize("name", ["flux", "sd3"])
+def test_full_fine_tune_saves_a_pipeline(name, bases, digits, tmp_path):
+    """train_text_to_image.py on the transformer (Flux: a fresh one from --transformer_config), with its EMA: the
+    output loads with from_pretrained and holds the EMA weights, and samples."""
+    base = bases[name]
+    fresh = ["--transformer_config", base / "transformer"] if name == "flux" else []
+    launch("train_text_to_image.py", "--train_data_dir", digits, "--pretrained_model_name_or_path", base,
+           "--output_dir", tmp_path / "out", *fresh, "--max_train_samples", "16", "--train_batch_size", "4",
+           "--max_train_steps", "4", "--checkpointing_steps", "4", "--use_ema", "--ema_max_decay", "0.9",
+           "--max_sequence_length", "40", "--learning_rate", "1e-3", "--cache_latents")
+    pipe = pipeline(name, tmp_path / "out")
+    raw = load_file(next((tmp_path / "out" / "checkpoint-4" / "transformer").glob("*.safetensors")))
+    ema = load_file(next((tmp_path / "out" / "checkpoint-4" / "transformer_ema").glob("*.safetensors")))
+    saved = pipe.transformer.state_dict()
+    key = next(k for k in raw if k.endswith(".weight") and raw[k].ndim == 2)
+    assert torch.equal(saved[key], ema[key]) and not torch.equal(saved[key], raw[key])
+    image = pipe("a handwritten digit seven", num_inference_steps=2, height=32, width=32, max_sequence_length=40,
+                 generator=torch.Generator().manual_seed(0)).images[0]
+    assert image.size == (32, 32)
+
+
+def test_train_lora_copied_with_the_flux_module_alone(tiny_flux, digits, tmp_path):
+    """The copy list plus common/families/flux.py trains on a Flux base; without that module, one line says so."""
+    from conftest import offline_env
+    from test_copy_list import copy_into
+
+    copy_into(tmp_path, "train_lora.py")
+    args = ["--train_data_dir", digits, "--pretrained_model_name_or_path", tiny_flux, "--output_dir", "out",
+            "--max_train_samples", "8", "--train_batch_size", "4", "--max_train_steps", "1", "--max_sequence_length",
+            "8", "--report_to", "none"]
+    proc = launch(tmp_path / "train_lora.py", *args, cwd=tmp_path, env=offline_env(PYTHONPATH=""), check=False)
+    assert_one_line_error(proc, "common/families/flux.py")
+    assert not (tmp_path / "out").exists()
+    shutil.copy(ROOT / "common" / "families" / "flux.py", tmp_path / "common" / "families" / "flux.py")
+    assert sorted(p.name for p in (tmp_path / "common" / "families").glob("*.py")) == ["__init__.py", "flux.py"]
+    launch(tmp_path / "train_lora.py", *args, cwd=tmp_path, env=offline_env(PYTHONPATH=""))
+    assert (tmp_path / "out" / "pytorch_lora_weights.safetensors").is_file()
+
+
+@pytest.fixture(scope="module")
+def sd3_without_t5(tiny_sd3, tmp_path_factory):
+    path = tmp_path_factory.mktemp("sd3") / "no-t5"
+    shutil.copytree(tiny_sd3, path, ignore=shutil.ignore_patterns("text_encoder_3", "tokenizer_3"))
+    return path
+
+
+BAD = {
+    "prediction-type-on-flux": (["--pretrained_model_name_or_path", "{flux}", "--prediction_type", "v_prediction"],
+                                "--prediction_type", "Flux.1", "flow matching"),
+    "snr-gamma-on-sd3": (["--pretrained_model_name_or_path", "{sd3}", "--snr_gamma", "5"], "--snr_gamma", "SD"),
+    "weighting-on-sd": (["--pretrained_model_name_or_path", "{sd}", "--weighting_scheme", "logit_normal"],
+                        "--weighting_scheme", "DDPM"),
+    "t5-length-on-sd": (["--pretrained_model_name_or_path", "{sd}", "--max_sequence_length", "16"],
+                        "--max_sequence_length", "Stable Diffusion 1.x/2.x"),
+    "flux-resolution": (["--pretrained_model_name_or_path", "{flux}", "--resolution", "36"],
+                        "--resolution 36", "32 or 40", "packs 2 x 2"),
+    "sd3-without-t5": (["--pretrained_model_name_or_path", "{sd3_no_t5}"], "text_encoder_3", "--drop_t5"),
+    "drop-t5-on-flux": (["--pretrained_model_name_or_path", "{flux}", "--drop_t5"], "--drop_t5", "Flux.1"),
+    "nf4-without-bitsandbytes": (["--pretrained_model_name_or_path", "{flux}", "--quantize_base", "nf4"],
+                                 "--quantize_base nf4", "bitsandbytes"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_bad_input_is_one_line_and_writes_nothing(case, bases, tiny_sd, sd3_without_t5, digits, tmp_path):
+    flags, *needles = BAD[case]
+    paths = {"flux": bases["flux"], "sd3": bases["sd3"], "sd": tiny_sd, "sd3_no_t5": sd3_without_t5}
+    flags = [flag.format(**paths) for flag in flags]
+    proc = run_script("train_lora.py", "--train_data_dir", digits, "--output_dir", tmp_path / "out", *flags)
+    assert_one_line_error(proc, *needles)
+    assert not (tmp_path / "out").exists()
+
+
+def test_sd3_trains_and_samples_without_t5(sd3_without_t5, digits, tmp_path):
+    launch("train_lora.py", "--train_data_dir", digits, "--pretrained_model_name_or_path", sd3_without_t5,
+           "--output_dir", tmp_path / "out", "--drop_t5", "--max_train_samples", "8", "--train_batch_size", "4",
+           "--max_train_steps", "2")
+    proc = run_script("sample.py", "--model", tmp_path / "out", "--prompt", "a digit", "--num_images", "1",
+                      "--num_inference_steps", "2", "--output_dir", tmp_path / "s")
+    assert_one_line_error(proc, "--drop_t5")
+    proc = run_script("sample.py", "--model", tmp_path / "out", "--prompt", "a digit", "--num_images", "1",
+                      "--num_inference_steps", "2", "--output_dir", tmp_path / "s", "--drop_t5")
+    assert proc.returncode == 0 and (tmp_path / "s" / "0000.png").is_file(), proc.stderr[-2000:]
+
+
+def test_a_lora_of_another_family_is_one_line(bases, tiny_sd, tmp_path):
+    """An SD LoRA on Flux and a Flux LoRA on SD, told from the files' metadata before anything loads."""
+    from diffusers import StableDiffusionPipeline
+    from peft import LoraConfig
+
+    from common.families import sd
+    from common.lora_files import save_lora_weights
+
+    pipe = StableDiffusionPipeline.from_pretrained(tiny_sd)
+    pipe.unet.add_adapter(LoraConfig(r=2, target_modules=["to_q"]))
+    metadata = sd.base_metadata(pipe.unet.config, "epsilon")
+    save_lora_weights(str(tmp_path / "sd-lora"), sd, {"unet": pipe.unet}, {"base_model": str(tiny_sd), "rank": 2,
+                                                                            "lora_alpha": 2}, metadata=metadata)
+    proc = run_script("sample.py", "--model", bases["flux"], "--lora", tmp_path / "sd-lora", "--prompt", "x",
+                      "--output_dir", tmp_path / "s")
+    assert_one_line_error(proc, "Stable Diffusion 1.x/2.x LoRA", "Flux.1")
+    flux_pipe = pipeline("flux", bases["flux"])
+    flux_pipe.transformer.add_adapter(LoraConfig(r=2, target_modules=["attn.to_q"]))
+    flux = family_module("flux")
+    save_lora_weights(str(tmp_path / "flux-lora"), flux, {"transformer": flux_pipe.transformer},
+                      {"base_model": str(bases["flux"]), "rank": 2, "lora_alpha": 2},
+                      metadata=flux.base_metadata(flux_pipe.transformer.config, None))
+    proc = run_script("sample.py", "--model", tiny_sd, "--lora", tmp_path / "flux-lora", "--prompt", "x",
+                      "--output_dir", tmp_path / "s")
+    assert_one_line_error(proc, "Flux.1 LoRA", "Stable Diffusion 1.x/2.x")
