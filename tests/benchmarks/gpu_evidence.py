@@ -308,12 +308,35 @@ def last_line(log):
 # ---- one training run ----------------------------------------------------------------------------------------
 
 
+def piece_data(cfg, piece):
+    """The piece's image folder: the data, or (`data_images`) a folder of its first N training images."""
+    data = at_root(cfg["data"])
+    n = piece.get("data_images")
+    if not n:
+        return data
+    subset = os.path.join(at_root(cfg["work"]), f"data-{n}")
+    if not os.path.isfile(os.path.join(subset, "train", "metadata.jsonl")):
+        with open(os.path.join(data, "train", "metadata.jsonl")) as f:
+            rows = [json.loads(line) for line in f][:n]
+        shutil.rmtree(subset, ignore_errors=True)
+        os.makedirs(os.path.join(subset, "train"))
+        for row in rows:
+            shutil.copy(os.path.join(data, "train", row["file_name"]), os.path.join(subset, "train", row["file_name"]))
+        with open(os.path.join(subset, "train", "metadata.jsonl"), "w") as f:
+            f.writelines(json.dumps(row) + "\n" for row in rows)
+    return subset
+
+
 def run_command(cfg, piece, run, out, extra=()):
+    """The launch, the script, the model, the data flags (`data_args`; default --train_data_dir), `common` (the
+    piece's own, if it has one), the piece's and the run's args, the sizes and steps; {data} is the data folder."""
     script = os.path.join(at_root(cfg["peers"]), run["peer"]) if "peer" in run else os.path.join(ROOT, "train_lora.py")
     checkpoints = ["--checkpointing_steps", str(piece["checkpoint_at"])] if "checkpoint_at" in piece else []
+    data_args = run.get("data_args") or piece.get("data_args") or ["--train_data_dir", "{data}"]
+    args = [*data_args, *piece.get("common", cfg["common"]), *piece.get("args", ()), *run.get("args", ())]
     return [*run_bench.accelerate_cli(), *(run.get("launch") or cfg["launch"]), *run.get("launch_args", ()),
             PEAK_WRAPPER, script, "--pretrained_model_name_or_path", at_root(cfg["models"][piece["model"]]["path"]),
-            "--train_data_dir", at_root(cfg["data"]), *cfg["common"], *piece.get("args", ()), *run.get("args", ()),
+            *(a.replace("{data}", piece_data(cfg, piece)) for a in args),
             "--resolution", str(piece["resolution"]), "--train_batch_size", str(piece["batch_size"]),
             "--max_train_steps", str(piece["steps"]), *checkpoints, "--output_dir", out, *extra]
 
@@ -702,7 +725,7 @@ def run_pieces(args):
             continue
         result = {"piece": pid, "title": piece["title"], "status": outcome["status"], "machine": facts,
                   "command": args.command, "settings": {k: v for k, v in piece.items() if k != "runs"},
-                  "common": cfg["common"], "peers_source": peers_source, "flops_per_step": flops,
+                  "common": piece.get("common", cfg["common"]), "peers_source": peers_source, "flops_per_step": flops,
                   "wall_s": round(time.time() - piece_start, 1), "runs": outcome["runs"]}
         result["table"] = table(result)
         written.append(save_result(cfg, pid, result, args.export_dir))
