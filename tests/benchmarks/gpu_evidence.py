@@ -688,14 +688,16 @@ def run_pieces(args):
             peers_source = json.load(f)
     for i, pid in enumerate(runnable):
         piece = cfg["pieces"][pid]
+        model = cfg["models"][piece["model"]]
+        need = piece["estimate_s"] + (0 if built(model) else model.get("estimate_s", 0))
         remaining = budget_deadline - time.time()
-        if remaining < piece["estimate_s"]:
+        if remaining < need:
             left.append(pid)
-            print(f"{pid}: left for the next call: it takes about {piece['estimate_s']} s, {remaining:.0f} s of "
-                  "--budget_s left", flush=True)
+            print(f"{pid}: left for the next call: it takes about {need} s"
+                  f"{'' if built(model) else ' with its model build'}, {remaining:.0f} s of --budget_s left",
+                  flush=True)
             continue
         keep = {cfg["pieces"][p]["model"] for p in runnable[i:]}
-        model = cfg["models"][piece["model"]]
         problem = ensure_model(cfg, piece["model"], device, keep, min(remaining, 2 * model.get("estimate_s", 600)))
         if problem:
             not_run[pid] = problem
