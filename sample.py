@@ -336,13 +336,14 @@ def draw(pipe, family, args, images, params, common, steps, guidance, extra):
     first = len(images)
     for start in range(0, len(jobs), args.batch_size):
         batch = jobs[start:start + args.batch_size]
+        kwargs.update(family.guidance_kwargs(getattr(pipe, family.DENOISER).config, guidance, len(batch))[0])
         if args.negative_prompt:
             kwargs["negative_prompt"] = [args.negative_prompt] * len(batch)
         with torch.no_grad():
             latents = pipe(
                 [prompt for prompt, _ in batch], height=height, width=width, num_inference_steps=steps,
-                guidance_scale=guidance, generator=[torch.Generator().manual_seed(args.seed + j) for _, j in batch],
-                output_type="latent", **kwargs).images
+                generator=[torch.Generator().manual_seed(args.seed + j) for _, j in batch], output_type="latent",
+                **kwargs).images
         images += decode_fp32(pipe, family.unpack_latents(pipe, latents, height, width))
         params += [{**common, "prompt": prompt, "seed": args.seed + j, "index": j, "height": image.height,
                     "width": image.width} for (prompt, j), image in zip(batch, images[first + start:])]

@@ -1,22 +1,16 @@
 #!/usr/bin/env python
 """Fine-tune a text-to-image diffusion model with LoRA (peft) on captioned images, the accelerate way.
 
-Stable Diffusion 1.x/2.x and XL (a UNet on DDPM noise), Stable Diffusion 3 and Flux.1 (transformers trained by flow
-matching): the base's model_index.json says which family it is, and the family's module (common/families/) says how
-it loads, embeds prompts (SDXL: both CLIP encoders, pooled embedding, each image's size "time ids"; SD3: two CLIPs and
-T5; Flux.1: CLIP's pooled embedding, T5, packed latents, the guidance input) and calls its denoiser. The denoiser
-frozen, LoRA adapters (LoraConfig, init_lora_weights="gaussian") on its attention projections, trained on the
-family's objective (common/objectives.py); optionally LoRA on the CLIP text encoder(s) too. Frozen weights in
-fp16/bf16, LoRA weights in fp32; latents (--cache_latents) and every prompt's embeddings computed once, then the text
-encoders leave the accelerator; caption dropout, an EMA of the LoRA weights (--use_ema: what gets exported),
-validation images, a held-out loss, resumable checkpoints that hold only the LoRA. Writes
+SD 1.x/2.x and XL (a UNet on DDPM noise), SD 3 and Flux.1 (transformers trained by flow matching): the base's
+model_index.json names its family, whose module (common/families/) loads it, embeds prompts (SDXL: two CLIPs, pooled
+embedding, each image's size "time ids"; SD3: two CLIPs and T5; Flux.1: CLIP pooled, T5, packed latents, guidance
+input) and calls its denoiser. The denoiser frozen, LoRA (init_lora_weights="gaussian") on its attention projections
+(optionally on the CLIP text encoders too), trained on the family's objective (common/objectives.py; the other
+objective's flags are refused); frozen weights in fp16/bf16, LoRA in fp32; latents (--cache_latents) and prompt
+embeddings computed once, then the text encoders leave the accelerator; caption dropout, an EMA of the LoRA weights
+(--use_ema: what gets exported), validation images, a held-out loss, resumable checkpoints. Writes
 pytorch_lora_weights.safetensors (`pipe.load_lora_weights(output_dir)`), optionally the kohya/A1111/ComfyUI format,
 a model card, and lora_info.json, from which sample.py finds the base model.
-
-Flags of one family's objective mean nothing for another's and are refused: --prediction_type, --snr_gamma and
---noise_offset (DDPM: SD 1.x/2.x, SDXL); --weighting_scheme, --logit_mean, --logit_std, --mode_scale and
---precondition_outputs (flow matching: SD3, Flux.1); --max_sequence_length (T5), --guidance_scale (Flux.1) and
---drop_t5 (SD3) likewise.
 
 Defaults suit a real base: --resolution is the base's native size (its VAE's sample_size, 512 for SD 1.5),
 --learning_rate 1e-4, --train_batch_size 16, as in diffusers' LoRA example.
@@ -48,7 +42,7 @@ Flux.1-dev (bf16 base, gradient checkpointing; --quantize_base nf4 for the QLoRA
 Then:  python sample.py --model outputs/lora-naruto --prompt "a girl with pink hair"
 
 A copy also needs the module of its base's family: common/families/sd.py, sdxl.py, sd3.py or flux.py.
-Copy with: common/__init__.py, common/args.py, common/base_models.py, common/buckets.py, common/caption_files.py, common/checkpoints.py, common/cli.py, common/diffusion.py, common/distributed.py, common/families/__init__.py, common/fsdp.py, common/image_data.py, common/lora_files.py, common/lora_metadata.py, common/objectives.py, common/optimizers.py, common/preemption.py, common/prompts.py, common/reporting.py, common/sgm_names.py, common/training.py, common/vae.py, common/validation_images.py, common/validation_loss.py
+Copy with: common/__init__.py, common/args.py, common/base_models.py, common/buckets.py, common/caption_files.py, common/checkpoints.py, common/cli.py, common/diffusion.py, common/distributed.py, common/families/__init__.py, common/fsdp.py, common/image_data.py, common/lora_adapters.py, common/lora_files.py, common/lora_metadata.py, common/objectives.py, common/optimizers.py, common/preemption.py, common/prompts.py, common/reporting.py, common/sgm_names.py, common/training.py, common/vae.py, common/validation_images.py, common/validation_loss.py
 """  # noqa: E501 (the copy list stays one line, for grep)
 import math
 import os
@@ -73,18 +67,13 @@ from common.base_models import SHIPPED_BASE, add_base_model_args, check_base_arg
 from common.buckets import check_bucket_resolution
 from common.caption_files import caption_folder_reader, check_caption_args
 from common.checkpoints import read_checkpoint_info, resolve_resume
-from common.cli import UserError, first_line, quiet_loading_bars, run
+from common.cli import quiet_loading_bars, run
+from common.lora_adapters import check_lora_args, check_resumed_lora, comma_list
 from common.lora_files import LORA_EMA_STATE
 from common.objectives import add_objective_args
 from common.optimizers import OPTIMIZERS, add_optimizer_args, check_optimizer_args
 from common.training import add_ema_args, check_resumed_ema, ema_weights
 from common.validation_images import add_validation_image_args
-
-SAME_LORA = ("rank", "lora_alpha", "target_modules", "use_dora", "train_text_encoder")  # needed to resume
-
-
-def comma_list(text):
-    return [item.strip() for item in text.split(",") if item.strip()]
 
 
 def parse_args(argv=None):
@@ -136,22 +125,10 @@ def parse_args(argv=None):
     check_bucket_args(args)
     if args.buckets == "auto" and family:  # a hub base: once loaded
         check_bucket_resolution(args.resolution, size_factor(args.pretrained_model_name_or_path, family))
-    if family:
-        check_lora_family_args(args, family)
-    if args.export_kohya and args.use_dora:
-        parser.error("--export_kohya: the kohya format has no DoRA weights; drop --use_dora or --export_kohya")
-    if args.target_modules == []:
-        parser.error("--target_modules: give at least one module name")
-    if args.offload_ema and not args.use_ema:
-        parser.error("--offload_ema: there is no EMA to offload without --use_ema")
+    check_lora_args(args, family)  # (a hub base: its family's defaults in main)
     resume_path = resolve_resume(args.resume_from_checkpoint, args.output_dir)
     if resume_path:  # a checkpoint of another LoRA shape would fail (or worse, half-load) deep inside load_state
-        saved, now = read_checkpoint_info(resume_path), lora_info(args)
-        diffs = [f"{key}={saved[key]} (now {now[key]})" for key in SAME_LORA
-                 if key in saved and now[key] is not None and saved[key] != now[key]]
-        if diffs:
-            raise UserError(f"--resume_from_checkpoint: {resume_path} holds a LoRA with {', '.join(diffs)}; "
-                            "resume with the same LoRA settings or train into a new --output_dir")
+        check_resumed_lora(resume_path, read_checkpoint_info(resume_path), lora_info(args))
         check_resumed_ema(args, resume_path, LORA_EMA_STATE)
     return args
 
@@ -202,14 +179,14 @@ def main(args):
     from common.base_models import base_resolution, check_family_args
     from common.buckets import batching, bucket_images, validation_sizes
     from common.families import load_family, read_model_index
-    from common.image_data import CachedLatents, Captions, ImageDataset, collate_batch, image_sizes, require_columns
+    from common.image_data import CachedLatents, Captions, collate_batch, image_datasets, require_columns
     from common.validation_images import check_validation_image_args
     from common.validation_loss import HeldOutLoss, load_with_validation
 
     path, flag = args.pretrained_model_name_or_path, "--pretrained_model_name_or_path"
     family = load_family(path, flag, args.revision, args.cache_dir)  # which pipeline: its model_index.json
     check_family_args(args, family)  # (a hub base's: now that its family is known)
-    check_lora_family_args(args, family)
+    check_lora_args(args, family)
     check_validation_image_args(args, family)
     # The training size: the base's native one unless given. Far below it, what the LoRA learns shows little in
     # images at the size the base samples at.
@@ -224,44 +201,28 @@ def main(args):
     # each image's captions as indices into the distinct prompts; the validation prompts are embedded with them
     captions = Captions(args, train_ds, held_out_ds, extra=args.validation_prompt)
 
-    originals = held_out_originals = None  # every image's original (height, width), for SDXL's time ids
-    if family.TIME_IDS:
-        originals = image_sizes(train_ds, args.image_column)[0]
-        held_out_originals = image_sizes(held_out_ds, args.image_column)[0] if held_out_ds else None
     sizes = held_out_sizes = None  # --buckets auto: each image's (height, width)
     if args.buckets == "auto":
         sizes, held_out_sizes, table = bucket_images(args, train_ds, held_out_ds, size_factor(
             path, family, args.revision, args.cache_dir))
         logger.info(f"aspect-ratio buckets at {args.resolution} px:\n{table}")
-    with accelerator.main_process_first():
-        train_data = ImageDataset(train_ds, args.image_column, args.resolution, center_crop=args.center_crop,
-                                  random_flip=args.random_flip, columns={"index": torch.arange(len(train_ds))},
-                                  seed=args.seed, sizes=sizes, original_sizes=originals)
-        held_out = None if held_out_ds is None else ImageDataset(
-            held_out_ds, args.image_column, args.resolution, center_crop=True, seed=args.seed, sizes=held_out_sizes,
-            original_sizes=held_out_originals)
+    with accelerator.main_process_first():  # (SDXL: each image's original size too, for its time ids)
+        train_data, held_out = image_datasets(args, train_ds, held_out_ds, sizes, held_out_sizes, family.TIME_IDS)
     # </domain>
 
     # 3. Model: the base frozen in the weight dtype (the VAE in fp32: fp16 decodes overflow), LoRA adapters in fp32.
     # <domain: model>
     from diffusers.training_utils import EMAModel, cast_training_params
-    from peft import LoraConfig
 
     from common.base_models import load_parts, offload_idle_models
     from common.fsdp import uniform_dtype
+    from common.lora_adapters import add_lora, quantization_config
     from common.objectives import make_objective
     from common.prompts import Conditioning
     from common.vae import encode_params, sample_latents
 
     quiet_loading_bars()
-    quantization = None
-    if args.quantize_base:  # diffusers' QLoRA recipe: the frozen denoiser in NF4, computing in the weight dtype
-        from diffusers import BitsAndBytesConfig
-
-        if accelerator.device.type != "cuda":
-            raise UserError("--quantize_base nf4 runs on CUDA GPUs only (bitsandbytes): leave it out on this machine")
-        quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
-                                          bnb_4bit_compute_dtype=weight_dtype)
+    quantization = quantization_config(args, weight_dtype, accelerator.device)  # --quantize_base nf4 (QLoRA)
     parts = load_parts(family, path, dtype=weight_dtype, revision=args.revision, variant=args.variant,
                        cache_dir=args.cache_dir, skip=family.OPTIONAL_COMPONENTS if args.drop_t5 else (),
                        quantization_config=quantization)
@@ -277,21 +238,7 @@ def main(args):
         denoiser.to(accelerator.device)
     # a guidance-distilled base (Flux.1-dev) takes the guidance as an input; --guidance_scale sets it
     guidance = args.guidance_scale if denoiser.config.get("guidance_embeds") else None
-    check_target_modules(denoiser, args.target_modules, "--target_modules", {"unet": "UNet"}.get(family.DENOISER,
-                                                                                              family.DENOISER))
-    try:
-        denoiser.add_adapter(LoraConfig(r=args.rank, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
-                                        init_lora_weights="gaussian", target_modules=args.target_modules,
-                                        use_dora=args.use_dora))
-    except ValueError as err:  # e.g. a target that is not a Linear/Conv layer
-        raise UserError(f"--target_modules: {first_line(err)}") from None
-    trained = {family.DENOISER: denoiser}  # what trains, by checkpoint subfolder
-    for name in family.LORA_TEXT_ENCODERS if args.train_text_encoder else ():
-        targets = family.text_encoder_targets(name, text_encoders[name], family.TEXT_LORA_TARGETS)
-        text_encoders[name].add_adapter(LoraConfig(r=args.rank, lora_alpha=args.lora_alpha,
-                                                   lora_dropout=args.lora_dropout, init_lora_weights="gaussian",
-                                                   target_modules=targets, use_dora=args.use_dora))
-        trained[name] = text_encoders[name]
+    trained = add_lora(family, denoiser, text_encoders, args)  # what trains, by checkpoint subfolder
     cast_training_params(list(trained.values()), dtype=lora_dtype)
     uniform_dtype(accelerator, trained.values(), lora_dtype)  # (FSDP: the frozen weights too)
     trainable = {f"{name}.{n}": p for name, m in trained.items() for n, p in m.named_parameters() if p.requires_grad}
@@ -542,31 +489,6 @@ def lora_info(args):
             "max_sequence_length": args.max_sequence_length,  # T5's prompt length: sample.py's default too
             "ema_weights": args.use_ema,  # the weights in pytorch_lora_weights.safetensors are the EMA ones
             "trigger": args.caption_prefix.strip(" ,") or None}  # --caption_prefix: what prompts need to show it
-
-
-def check_lora_family_args(args, family):
-    """What depends on the base's family (parse_args for a local base, main for a hub one): the default LoRA targets,
-    and --quantize_base's package."""
-    import importlib.util
-
-    if args.target_modules is None:
-        args.target_modules = comma_list(family.LORA_TARGETS)
-    if args.quantize_base and importlib.util.find_spec("bitsandbytes") is None:
-        raise UserError("--quantize_base nf4 needs bitsandbytes (`make install-extras`, on a CUDA machine)")
-
-
-def check_target_modules(model, targets, flag, what):
-    """peft matches a target by full name or name suffix; name the closest module names when one matches nothing."""
-    import difflib
-
-    names = [name for name, _ in model.named_modules() if name]
-    for target in targets:
-        if not any(name == target or name.endswith("." + target) for name in names):
-            suffixes = {".".join(n.split(".")[-k:]) for n in names for k in (1, 2)}
-            suffixes = sorted(suffixes - {str(i) for i in range(99)})
-            close = difflib.get_close_matches(target, suffixes, n=4, cutoff=0.5)
-            hint = f"closest module names: {', '.join(close)}" if close else f"module names look like {names[-1]}"
-            raise UserError(f"{flag}: '{target}' matches no module of the {what}; {hint}")
 
 
 if __name__ == "__main__":

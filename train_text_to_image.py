@@ -152,7 +152,7 @@ def main(args):
     from common.base_models import base_resolution, check_family_args
     from common.buckets import batching, bucket_images, validation_sizes
     from common.families import load_family, read_model_index
-    from common.image_data import CachedLatents, Captions, ImageDataset, collate_batch, image_sizes, require_columns
+    from common.image_data import CachedLatents, Captions, collate_batch, image_datasets, require_columns
     from common.validation_images import check_validation_image_args
     from common.validation_loss import HeldOutLoss, load_with_validation
 
@@ -169,22 +169,13 @@ def main(args):
     require_columns(train_ds, image_column=args.image_column, caption_column=args.caption_column)
     # each image's captions as indices into the distinct prompts; the validation prompts are embedded with them
     captions = Captions(args, train_ds, held_out_ds, extra=args.validation_prompt)
-    originals = held_out_originals = None  # every image's original (height, width), for SDXL's time ids
-    if family.TIME_IDS:
-        originals = image_sizes(train_ds, args.image_column)[0]
-        held_out_originals = image_sizes(held_out_ds, args.image_column)[0] if held_out_ds else None
     sizes = held_out_sizes = None  # --buckets auto: each image's (height, width)
     if args.buckets == "auto":
         sizes, held_out_sizes, table = bucket_images(args, train_ds, held_out_ds, size_factor(
             path, family, args.revision, args.cache_dir, args.denoiser_config))
         logger.info(f"aspect-ratio buckets at {args.resolution} px:\n{table}")
-    with accelerator.main_process_first():
-        train_data = ImageDataset(train_ds, args.image_column, args.resolution, center_crop=args.center_crop,
-                                  random_flip=args.random_flip, columns={"index": torch.arange(len(train_ds))},
-                                  seed=args.seed, sizes=sizes, original_sizes=originals)
-        held_out = None if held_out_ds is None else ImageDataset(
-            held_out_ds, args.image_column, args.resolution, center_crop=True, seed=args.seed, sizes=held_out_sizes,
-            original_sizes=held_out_originals)
+    with accelerator.main_process_first():  # (SDXL: each image's original size too, for its time ids)
+        train_data, held_out = image_datasets(args, train_ds, held_out_ds, sizes, held_out_sizes, family.TIME_IDS)
     # </domain>
 
     # 3. Model: VAE (fp32: fp16 decodes overflow) and text encoders frozen; the denoiser trained in fp32; its EMA.

@@ -22,7 +22,7 @@ def check_pipeline_folder(path, flag, family=None, optional=()):
                         "or rebuild it (`make tiny-sd-base`)")
     if os.path.isdir(path):
         verify_checksums(path, flag)
-        parts = [p for p in (family.COMPONENTS if family else ()) if p not in optional]
+        parts = [p for p in (family.COMPONENTS if family else ()) if p not in (optional or ())]
         missing = [part for part in ("model_index.json", *parts) if not os.path.exists(os.path.join(path, part))]
         if missing:
             what = f"a {family.NAME} pipeline" if family else "a pipeline"

@@ -438,6 +438,22 @@ def caption_lists(values, column, prefix=""):
     return lists
 
 
+def image_datasets(args, train_ds, held_out_ds, sizes=None, held_out_sizes=None, time_ids=False):
+    """The ImageDatasets of a text-to-image run: the training images (--center_crop or random crops, --random_flip,
+    each image's index as a column), the held-out ones (center crops, no flips) or None; `sizes`/`held_out_sizes`:
+    each image's bucket (--buckets auto); `time_ids`: each image's original size kept, for SDXL's time ids."""
+    def originals(dataset):
+        return image_sizes(dataset, args.image_column)[0] if time_ids else None
+
+    train = ImageDataset(train_ds, args.image_column, args.resolution, center_crop=args.center_crop,
+                         random_flip=args.random_flip, columns={"index": torch.arange(len(train_ds))}, seed=args.seed,
+                         sizes=sizes, original_sizes=originals(train_ds))
+    held_out = None if held_out_ds is None else ImageDataset(
+        held_out_ds, args.image_column, args.resolution, center_crop=True, seed=args.seed, sizes=held_out_sizes,
+        original_sizes=originals(held_out_ds))
+    return train, held_out
+
+
 class Captions:
     """The captions of a text-to-image run as indices into its distinct prompts (each embedded once): `prompts`
     (sorted, "" among them for caption dropout, `extra` too: the validation prompts), `index` (prompt -> id),

@@ -116,10 +116,14 @@ def image_size(pipe, args):
     return height, width
 
 
-def pipeline_guidance(pipe):
-    """The guidance scale a call gets by default here: the family's (sample.py's), else Stable Diffusion's 7.5."""
+def pipeline_guidance(pipe, scale, batch):
+    """A call's guidance arguments at `scale` (default: the family's, sample.py's; else Stable Diffusion's 7.5), as
+    the family gives them (common/families/: guidance_kwargs)."""
     family = pipeline_family(pipe)
-    return family.SAMPLE_GUIDANCE if family is not None else 7.5
+    if family is None:
+        return {"guidance_scale": 7.5 if scale is None else scale}
+    scale = family.SAMPLE_GUIDANCE if scale is None else scale
+    return family.guidance_kwargs(getattr(pipe, family.DENOISER).config, scale, batch)[0]
 
 
 def unpack_latents(pipe, latents, height, width):

@@ -199,7 +199,7 @@ def trace_sd(pipe, args, rec, generator, steps_kept):
               if k in getattr(pipe, "_callback_tensor_inputs", [])]
     try:
         images = pipe(args.prompt, num_inference_steps=args.num_inference_steps, height=height, width=width,
-                      guidance_scale=pipeline_guidance(pipe) if args.guidance_scale is None else args.guidance_scale,
+                      **pipeline_guidance(pipe, args.guidance_scale, args.num_images),
                       num_images_per_prompt=args.num_images, generator=generator, callback_on_step_end=on_step_end,
                       callback_on_step_end_tensor_inputs=inputs).images
     except ValueError as err:

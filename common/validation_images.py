@@ -29,22 +29,25 @@ def validation_images(args, accelerator, family, parts, scheduler, step, sizes=N
             model.eval()
         folder = os.path.join(args.output_dir, "samples", f"step-{step}")
         os.makedirs(folder, exist_ok=True)
+        denoiser = parts[family.DENOISER]
+        guidance, unconditional = family.guidance_kwargs(denoiser.config, args.validation_guidance_scale,
+                                                         args.num_validation_images)
         for p, prompt in enumerate(args.validation_prompt):
             if embeddings is not None:
-                uncond = embeddings("") if args.validation_guidance_scale > 1 else None
+                uncond = embeddings("") if unconditional else None
                 text = family.pipeline_prompt_kwargs(*[None if c is None else {
                     k: v.to(accelerator.device).expand(args.num_validation_images, *v.shape[1:])
                     for k, v in c.items()} for c in (embeddings(prompt), uncond)])
+                text.update({k: v for k, v in guidance.items() if k != "negative_prompt"})
             else:  # (at the T5 length the run trains with)
-                text = {"prompt": [prompt] * args.num_validation_images}
+                text = {"prompt": [prompt] * args.num_validation_images, **guidance}
                 if "max_sequence_length" in family.SAMPLE_FLAGS:
                     text["max_sequence_length"] = args.max_sequence_length
             for s, (height, width) in enumerate(sizes or [family.sample_size(pipe)]):
                 generators = [torch.Generator().manual_seed(args.seed + j) for j in range(args.num_validation_images)]
                 with torch.no_grad(), accelerator.autocast():
                     latents = pipe(**text, num_inference_steps=args.validation_inference_steps,
-                                   guidance_scale=args.validation_guidance_scale, generator=generators,
-                                   height=height, width=width, output_type="latent").images
+                                   generator=generators, height=height, width=width, output_type="latent").images
                 images = decode_fp32(pipe, family.unpack_latents(pipe, latents, height, width))
                 size = f"-{width}x{height}" if s else ""  # the first size keeps the plain names
                 for j, image in enumerate(images):

@@ -22,15 +22,18 @@ def digit_prompts(per_digit, style=False):
 
 
 @torch.no_grad()
-def generate(pipe, prompts, guidance_scale, num_inference_steps, seed=0, batch_size=100, lora_scale=None):
-    """-> images [N, 3, H, W] in [0, 1]; image i from torch.Generator().manual_seed(seed + i)."""
+def generate(pipe, family, prompts, guidance_scale, num_inference_steps, seed=0, batch_size=100, lora_scale=None):
+    """-> images [N, 3, H, W] in [0, 1] at the family's sample size and guidance (common/families/); image i from
+    torch.Generator().manual_seed(seed + i)."""
     out = []
-    kwargs = {"cross_attention_kwargs": {"scale": lora_scale}} if lora_scale is not None else {}
+    kwargs = {family.LORA_SCALE_ARGUMENT: {"scale": lora_scale}} if lora_scale is not None else {}
+    height, width = family.sample_size(pipe)
     for start in range(0, len(prompts), batch_size):
         chunk = prompts[start:start + batch_size]
         generators = [torch.Generator().manual_seed(seed + start + i) for i in range(len(chunk))]
-        out.append(pipe(chunk, num_inference_steps=num_inference_steps, guidance_scale=guidance_scale,
-                        generator=generators, output_type="pt", **kwargs).images.float().cpu())
+        guidance = family.guidance_kwargs(getattr(pipe, family.DENOISER).config, guidance_scale, len(chunk))[0]
+        out.append(pipe(chunk, num_inference_steps=num_inference_steps, generator=generators, output_type="pt",
+                        height=height, width=width, **guidance, **kwargs).images.float().cpu())
     return torch.cat(out)
 
 

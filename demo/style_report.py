@@ -24,30 +24,26 @@ def parse_args(argv=None):
 
 
 def main(args):
+    import diffusers
     import torch
-    from diffusers import StableDiffusionPipeline
 
-    from common.diffusion import (
-        SD_GUIDANCE_SCALE,
-        SD_INFERENCE_STEPS,
-        SD_SCHEDULER,
-        image_grid,
-        sampling_scheduler,
-        to_pil,
-    )
+    from common.diffusion import image_grid, sampling_scheduler, to_pil
+    from common.families import load_family
     from common.lora_files import read_lora_info
     from demo.digit_eval import Judge, digit_prompts, generate, score
 
     info = read_lora_info(args.lora)
-    pipe = StableDiffusionPipeline.from_pretrained(info["base_model"], dtype=torch.float32)
-    pipe.scheduler = sampling_scheduler(SD_SCHEDULER, pipe.scheduler.config)
+    family = load_family(info["base_model"], "the LoRA's base", uses="the style report draws from")
+    pipe = getattr(diffusers, family.PIPELINE).from_pretrained(info["base_model"], dtype=torch.float32)
+    pipe.scheduler = sampling_scheduler(family.SAMPLER, pipe.scheduler.config, family.SAMPLERS)
     pipe.set_progress_bar_config(disable=True)
     pipe.load_lora_weights(args.lora)
     judge = Judge(args.judge)
     prompts, labels = digit_prompts(args.per_digit, style=True)
     rows, sweep, start = [], [], time.time()
     for scale in [float(s) for s in args.lora_scales.split(",")]:
-        images = generate(pipe, prompts, SD_GUIDANCE_SCALE, SD_INFERENCE_STEPS, seed=args.seed, lora_scale=scale)
+        images = generate(pipe, family, prompts, family.SAMPLE_GUIDANCE, family.SAMPLE_STEPS, seed=args.seed,
+                          lora_scale=scale)
         sweep.append({"lora_scale": scale, **score(images, labels, judge)})
         rows.append(images[::args.per_digit])  # the first seed of each digit
     picture = os.path.join(args.lora, "side_by_side.png")
@@ -57,8 +53,8 @@ def main(args):
     results = {"style_rate_without_lora": without["style_rate"] if without else None,
                "style_rate": full["style_rate"], "content": full["content"],
                "style_eval": {"prompt": "a handwritten digit <d>, red ink on paper", "samples_per_digit":
-                              args.per_digit, "sampler": SD_SCHEDULER, "num_inference_steps": SD_INFERENCE_STEPS,
-                              "guidance_scale": SD_GUIDANCE_SCALE, "lora_scale_sweep": sweep,
+                              args.per_digit, "sampler": family.SAMPLER, "num_inference_steps": family.SAMPLE_STEPS,
+                              "guidance_scale": family.SAMPLE_GUIDANCE, "lora_scale_sweep": sweep,
                               "time_s": round(time.time() - start, 1)}}
     path = os.path.join(args.lora, "all_results.json")
     existing = {}

@@ -136,21 +136,23 @@ def train_vae(args):
 
 def evaluate_base(model, judge_path, per_digit, seed=0):
     """The base alone, prompted for each digit: -> (metrics, images [10 * per_digit, 3, H, W])."""
+    import diffusers
     import torch
-    from diffusers import StableDiffusionPipeline
 
-    from common.diffusion import SD_GUIDANCE_SCALE, SD_INFERENCE_STEPS, SD_SCHEDULER, sampling_scheduler
+    from common.diffusion import sampling_scheduler
+    from common.families import load_family
     from demo.digit_eval import Judge, digit_prompts, generate, score
 
-    pipe = StableDiffusionPipeline.from_pretrained(model, dtype=torch.float32)
-    pipe.scheduler = sampling_scheduler(SD_SCHEDULER, pipe.scheduler.config)
+    family = load_family(model, "--model", uses="the digits' evaluation draws from")
+    pipe = getattr(diffusers, family.PIPELINE).from_pretrained(model, dtype=torch.float32)
+    pipe.scheduler = sampling_scheduler(family.SAMPLER, pipe.scheduler.config, family.SAMPLERS)
     pipe.set_progress_bar_config(disable=True)
     prompts, labels = digit_prompts(per_digit)
     start = time.time()
-    images = generate(pipe, prompts, SD_GUIDANCE_SCALE, SD_INFERENCE_STEPS, seed=seed)
+    images = generate(pipe, family, prompts, family.SAMPLE_GUIDANCE, family.SAMPLE_STEPS, seed=seed)
     result = score(images, labels, Judge(judge_path))
-    return {"samples_per_digit": per_digit, "sampler": SD_SCHEDULER, "num_inference_steps": SD_INFERENCE_STEPS,
-            "guidance_scale": SD_GUIDANCE_SCALE, "accuracy": result["content"], "per_digit": result["per_digit"],
+    return {"samples_per_digit": per_digit, "sampler": family.SAMPLER, "num_inference_steps": family.SAMPLE_STEPS,
+            "guidance_scale": family.SAMPLE_GUIDANCE, "accuracy": result["content"], "per_digit": result["per_digit"],
             "style_rate": result["style_rate"], "sample_time_s": round(time.time() - start, 1)}, images
 
 

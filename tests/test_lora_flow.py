@@ -118,7 +118,7 @@ def test_sample_py_is_the_pipeline_and_the_validation_image(trained, tmp_path):
     the run drew for its last validation (same prompt, seed, steps, sampler)."""
     name, base, out = trained
     proc = run_script("sample.py", "--model", out, "--prompt", "a handwritten digit seven", "--num_images", "1",
-                      "--num_inference_steps", "2", "--max_sequence_length", "40", "--output_dir", tmp_path)
+                      "--num_inference_steps", "2", "--seed", "42", "--output_dir", tmp_path)  # (the run's seed)
     assert proc.returncode == 0, proc.stderr[-3000:]
     drawn = pixels(tmp_path / "0000.png")
     params = json.loads(Image.open(tmp_path / "0000.png").text["parameters"])
@@ -127,7 +127,8 @@ def test_sample_py_is_the_pipeline_and_the_validation_image(trained, tmp_path):
     pipe.load_lora_weights(out)
     torch.set_num_threads(1)  # as sample.py ran (OMP_NUM_THREADS=1): the same float order
     image = pipe("a handwritten digit seven", num_inference_steps=2, height=32, width=32, max_sequence_length=40,
-                 generator=torch.Generator().manual_seed(0)).images[0]
+                 generator=torch.Generator().manual_seed(42)).images[0]
+    assert params["max_sequence_length"] == 40  # the run's T5 length (lora_info.json), sample.py's default
     assert np.abs(drawn - np.asarray(image).astype(int)).max() <= 1
     assert np.abs(drawn - pixels(out / "samples" / "step-6" / "0-0.png")).max() <= 1
 
@@ -218,7 +219,8 @@ def sd3_without_t5(tiny_sd3, tmp_path_factory):
 BAD = {
     "prediction-type-on-flux": (["--pretrained_model_name_or_path", "{flux}", "--prediction_type", "v_prediction"],
                                 "--prediction_type", "Flux.1", "flow matching"),
-    "snr-gamma-on-sd3": (["--pretrained_model_name_or_path", "{sd3}", "--snr_gamma", "5"], "--snr_gamma", "SD"),
+    "snr-gamma-on-sd3": (["--pretrained_model_name_or_path", "{sd3}", "--snr_gamma", "5"], "--snr_gamma",
+                         "Stable Diffusion 3"),
     "weighting-on-sd": (["--pretrained_model_name_or_path", "{sd}", "--weighting_scheme", "logit_normal"],
                         "--weighting_scheme", "DDPM"),
     "t5-length-on-sd": (["--pretrained_model_name_or_path", "{sd}", "--max_sequence_length", "16"],

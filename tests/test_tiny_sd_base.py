@@ -30,10 +30,11 @@ def pipeline(path):
 
 def draw(pipe, per_digit, style=False, **kwargs):
     from common.diffusion import SD_GUIDANCE_SCALE, SD_INFERENCE_STEPS
+    from common.families import sd
     from demo.digit_eval import digit_prompts, generate
 
     prompts, labels = digit_prompts(per_digit, style=style)
-    return generate(pipe, prompts, SD_GUIDANCE_SCALE, SD_INFERENCE_STEPS, **kwargs), labels
+    return generate(pipe, sd, prompts, SD_GUIDANCE_SCALE, SD_INFERENCE_STEPS, **kwargs), labels
 
 
 def test_shipped_files_match_their_checksums_and_load():

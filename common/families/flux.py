@@ -30,6 +30,7 @@ OPTIONAL_COMPONENTS = None
 SAMPLERS = FLOW_SCHEDULER_CLASSES
 SAMPLER, SAMPLE_STEPS, SAMPLE_GUIDANCE = "euler", 28, 3.5  # FluxPipeline's defaults
 SAMPLE_FLAGS = ("max_sequence_length",)
+LORA_SCALE_ARGUMENT = "joint_attention_kwargs"  # the pipeline call's argument that scales the LoRAs
 PIPELINE_EXTRAS = {}
 SINGLE_FILE = False  # no single-file checkpoint layout here (train_text_to_image.py --save_model_as)
 NATIVE_SIZE_FROM = "VAE"  # whose config's sample_size is the native training size
@@ -117,9 +118,23 @@ def denoise(transformer, noisy, timesteps, cond, guidance=None):
     return unpack(out, h, w)
 
 
+def guidance_kwargs(denoiser_config, scale, batch):
+    """A guidance-distilled base (Flux.1-dev) is given the guidance as an input, with no unconditional branch; one
+    without a guidance embedding (Flux.1-schnell, a base trained here from scratch with caption dropout) gets true
+    classifier-free guidance (FluxPipeline's true_cfg_scale, against the empty prompt) when `scale` is above 1.
+    -> (the call's arguments, whether it needs the unconditional embeddings)."""
+    if denoiser_config.get("guidance_embeds") or scale <= 1:
+        return {"guidance_scale": scale}, False
+    return {"true_cfg_scale": scale, "negative_prompt": [""] * batch}, True
+
+
 def pipeline_prompt_kwargs(cond, uncond):
-    """Flux.1 has no unconditional branch (its guidance is an input): the prompt's embeddings alone."""
-    return {"prompt_embeds": cond["prompt_embeds"], "pooled_prompt_embeds": cond["pooled_prompt_embeds"]}
+    """The prompt's embeddings; the empty prompt's for true classifier-free guidance."""
+    kwargs = {"prompt_embeds": cond["prompt_embeds"], "pooled_prompt_embeds": cond["pooled_prompt_embeds"]}
+    if uncond is not None:
+        kwargs.update(negative_prompt_embeds=uncond["prompt_embeds"],
+                      negative_pooled_prompt_embeds=uncond["pooled_prompt_embeds"])
+    return kwargs
 
 
 def sample_size(pipe):

@@ -25,6 +25,7 @@ OPTIONAL_COMPONENTS = None  # components a pipeline may go without (SD3's T5)
 SAMPLERS = SCHEDULER_CLASSES  # --scheduler / --validation_scheduler names (common/diffusion.py)
 SAMPLER, SAMPLE_STEPS, SAMPLE_GUIDANCE = "dpm", 30, 7.5  # sample.py's and the validation images' defaults
 SAMPLE_FLAGS = ("negative_prompt", "guidance_rescale", "clip_skip")  # sample.py's flags its pipeline takes
+LORA_SCALE_ARGUMENT = "cross_attention_kwargs"  # the pipeline call's argument that scales the LoRAs
 PIPELINE_EXTRAS = {"safety_checker": None, "feature_extractor": None, "requires_safety_checker": False}
 
 
@@ -78,6 +79,12 @@ def empty_prompt_zeros(index):
 def denoise(unet, noisy, timesteps, cond, guidance=None):
     """The UNet's prediction for noisy latents [B, C, H, W] at the training scheduler's timesteps."""
     return unet(noisy, timesteps, cond["prompt_embeds"], return_dict=False)[0]
+
+
+def guidance_kwargs(denoiser_config, scale, batch):
+    """A pipeline call's guidance at `scale` (classifier-free: the unconditional branch when above 1), and whether it
+    needs the unconditional embeddings."""
+    return {"guidance_scale": scale}, scale > 1
 
 
 def pipeline_prompt_kwargs(cond, uncond):

@@ -33,6 +33,7 @@ OPTIONAL_COMPONENTS = ("text_encoder_3", "tokenizer_3")  # T5: --drop_t5
 SAMPLERS = FLOW_SCHEDULER_CLASSES
 SAMPLER, SAMPLE_STEPS, SAMPLE_GUIDANCE = "euler", 28, 7.0  # StableDiffusion3Pipeline's defaults
 SAMPLE_FLAGS = ("negative_prompt", "max_sequence_length", "drop_t5")
+LORA_SCALE_ARGUMENT = "joint_attention_kwargs"  # the pipeline call's argument that scales the LoRAs
 PIPELINE_EXTRAS = {}
 SINGLE_FILE = False  # no single-file checkpoint layout here (train_text_to_image.py --save_model_as)
 NATIVE_SIZE_FROM = "transformer"  # whose config's sample_size is the native training size
@@ -102,6 +103,12 @@ def denoise(transformer, noisy, timesteps, cond, guidance=None):
     """The transformer's raw output for noisy latents [B, C, H, W] at the scheduler's timesteps (not divided)."""
     return transformer(hidden_states=noisy, timestep=timesteps, encoder_hidden_states=cond["prompt_embeds"],
                        pooled_projections=cond["pooled_prompt_embeds"], return_dict=False)[0]
+
+
+def guidance_kwargs(denoiser_config, scale, batch):
+    """A pipeline call's guidance at `scale` (classifier-free: the unconditional branch when above 1), and whether it
+    needs the unconditional embeddings."""
+    return {"guidance_scale": scale}, scale > 1
 
 
 def pipeline_prompt_kwargs(cond, uncond):

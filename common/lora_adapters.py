@@ -1,0 +1,90 @@
+"""peft LoRA adapters on a base's denoiser and CLIP text encoders, for train_lora.py: the family's default targets,
+targets that match no module named with the closest ones, the adapters added (diffusers' LoraConfig settings), and the
+QLoRA base's quantization config."""
+from .cli import UserError, first_line
+
+
+def comma_list(text):
+    """--target_modules' value: comma-separated names."""
+    return [item.strip() for item in text.split(",") if item.strip()]
+
+
+SAME_LORA = ("rank", "lora_alpha", "target_modules", "use_dora", "train_text_encoder")  # needed to resume
+
+
+def check_lora_args(args, family):
+    """One line for LoRA flags that do not go together; then what depends on the base's family (None: a hub base's,
+    not fetched yet; main calls this again): the default targets, --quantize_base's package."""
+    import importlib.util
+
+    if args.export_kohya and args.use_dora:
+        raise UserError("--export_kohya: the kohya format has no DoRA weights; drop --use_dora or --export_kohya")
+    if args.target_modules == []:
+        raise UserError("--target_modules: give at least one module name")
+    if args.offload_ema and not args.use_ema:
+        raise UserError("--offload_ema: there is no EMA to offload without --use_ema")
+    if family is None:
+        return
+    if args.target_modules is None:
+        args.target_modules = comma_list(family.LORA_TARGETS)
+    if args.quantize_base and importlib.util.find_spec("bitsandbytes") is None:
+        raise UserError("--quantize_base nf4 needs bitsandbytes (`make install-extras`, on a CUDA machine)")
+
+
+def check_resumed_lora(path, saved, now):
+    """A checkpoint (its checkpoint_info.json: `saved`) must hold a LoRA of the shape the flags ask for (`now`)."""
+    diffs = [f"{key}={saved[key]} (now {now[key]})" for key in SAME_LORA
+             if key in saved and now[key] is not None and saved[key] != now[key]]
+    if diffs:
+        raise UserError(f"--resume_from_checkpoint: {path} holds a LoRA with {', '.join(diffs)}; resume with the "
+                        "same LoRA settings or train into a new --output_dir")
+
+
+def quantization_config(args, weight_dtype, device):
+    """diffusers' QLoRA recipe (--quantize_base nf4): the frozen denoiser in 4-bit NF4, computing in the weight
+    dtype; None without the flag. CUDA only."""
+    if not args.quantize_base:
+        return None
+    if device.type != "cuda":
+        raise UserError("--quantize_base nf4 runs on CUDA GPUs only (bitsandbytes): leave it out on this machine")
+    from diffusers import BitsAndBytesConfig
+
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=weight_dtype)
+
+
+def add_lora(family, denoiser, text_encoders, args):
+    """LoRA (init_lora_weights="gaussian", --rank, --lora_alpha, --lora_dropout, --use_dora) on the denoiser's
+    --target_modules and, with --train_text_encoder, on the family's LoRA text encoders' attention projections.
+    -> {checkpoint subfolder: model} of what trains."""
+    from peft import LoraConfig
+
+    def config(targets):
+        return LoraConfig(r=args.rank, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
+                          init_lora_weights="gaussian", target_modules=targets, use_dora=args.use_dora)
+
+    check_target_modules(denoiser, args.target_modules, "--target_modules",
+                         {"unet": "UNet"}.get(family.DENOISER, family.DENOISER))
+    try:
+        denoiser.add_adapter(config(args.target_modules))
+    except ValueError as err:  # e.g. a target that is not a Linear/Conv layer
+        raise UserError(f"--target_modules: {first_line(err)}") from None
+    trained = {family.DENOISER: denoiser}
+    for name in family.LORA_TEXT_ENCODERS if args.train_text_encoder else ():
+        text_encoders[name].add_adapter(config(family.text_encoder_targets(name, text_encoders[name],
+                                                                           family.TEXT_LORA_TARGETS)))
+        trained[name] = text_encoders[name]
+    return trained
+
+
+def check_target_modules(model, targets, flag, what):
+    """peft matches a target by full name or name suffix; name the closest module names when one matches nothing."""
+    import difflib
+
+    names = [name for name, _ in model.named_modules() if name]
+    for target in targets:
+        if not any(name == target or name.endswith("." + target) for name in names):
+            suffixes = {".".join(n.split(".")[-k:]) for n in names for k in (1, 2)}
+            suffixes = sorted(suffixes - {str(i) for i in range(99)})
+            close = difflib.get_close_matches(target, suffixes, n=4, cutoff=0.5)
+            hint = f"closest module names: {', '.join(close)}" if close else f"module names look like {names[-1]}"
+            raise UserError(f"{flag}: '{target}' matches no module of the {what}; {hint}")
