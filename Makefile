@@ -191,7 +191,7 @@ bench-gpu-sdxl: data
 
 # On a GPU: every GPU claim of the docs measured by one command (tests/benchmarks/gpu_evidence.py; the pieces are
 # workloads.toml's [gpu_evidence]: a SD 1.5 against diffusers' script, eager and compiled; b SDXL; c the optimizers;
-# d DeepSpeed ZeRO-2/3 and FSDP on one GPU; e Flux.1 and SD3), about 25 min on one H100 in pieces of at most 8 min.
+# d DeepSpeed ZeRO-2/3 and FSDP on one GPU; e Flux.1 and SD3), up to an hour on one H100 in pieces of at most 8 min.
 # Each piece's result goes to tests/benchmarks/results/gpu-evidence/<piece>.json and the piece is skipped while it is
 # there. PIECES=a1,c  BUDGET=540 (start no piece that would not end within that many seconds)  ARGS=--rerun
 # It installs nothing (a GPU machine may have no network): `make gpu-evidence-pack` on a machine with one brings what
