@@ -189,5 +189,32 @@ bench-gpu: data
 bench-gpu-sdxl: data
 	$(PY) tests/benchmarks/gpu_lora.py --workload gpu_sdxl --output outputs/bench/gpu_sdxl_results.json $(BENCH_ARGS)
 
+# On a GPU: every GPU claim of the docs measured by one command (tests/benchmarks/gpu_evidence.py; the pieces are
+# workloads.toml's [gpu_evidence]: a SD 1.5 against diffusers' script, eager and compiled; b SDXL; c the optimizers;
+# d DeepSpeed ZeRO-2/3 and FSDP on one GPU; e Flux.1 and SD3), up to an hour on one H100 in pieces of at most 8 min.
+# Each piece's result goes to tests/benchmarks/results/gpu-evidence/<piece>.json and the piece is skipped while it is
+# there. PIECES=a1,c  BUDGET=540 (start no piece that would not end within that many seconds)  ARGS=--rerun
+# It installs nothing (a GPU machine may have no network): `make gpu-evidence-pack` on a machine with one brings what
+# is missing (docs/performance.md, GPU evidence). `make gpu-evidence-list`: each piece's state and what it lacks here.
+.PHONY: gpu-evidence gpu-evidence-pack gpu-evidence-list gpu-evidence-report
+GPU_PY = $(if $(wildcard $(PY)),$(PY),python3)
+gpu-evidence:
+	$(GPU_PY) tests/benchmarks/gpu_evidence.py run $(if $(PIECES),--pieces $(PIECES),) \
+	  $(if $(BUDGET),--budget_s $(BUDGET),) $(ARGS)
+
+gpu-evidence-list:
+	$(GPU_PY) tests/benchmarks/gpu_evidence.py list
+
+# The markdown of docs/performance.md's GPU evidence, from the result files.
+gpu-evidence-report:
+	$(GPU_PY) tests/benchmarks/gpu_evidence.py report
+
+# What a GPU machine without the network lacks, into .gpu-pack/ (ignored by git): wheels for its Python (pip) and
+# diffusers' peer scripts at the version requirements.txt pins (else the nearest tag below it) from DIFFUSERS_REPO, a
+# clone of diffusers' repository. Says what it packed and what a device call carries in all (at most 64 MiB).
+DIFFUSERS_REPO ?=
+gpu-evidence-pack: install
+	$(PY) tests/benchmarks/gpu_evidence.py pack --diffusers_repo "$(DIFFUSERS_REPO)"
+
 clean:
 	rm -rf outputs data models .pytest_cache

@@ -270,7 +270,7 @@ def main():
     env.pop("TQDM_DISABLE", None)  # the progress bar is what the recipe is timed by
     from diffusers import DDPMScheduler
 
-    from train_lora import UNET_TARGETS  # the recipe's default LoRA targets
+    from common.families.sd import LORA_TARGETS  # the recipe's default LoRA targets on a UNet
 
     scheduler = DDPMScheduler.from_pretrained(base, subfolder="scheduler")  # the base's own noise schedule
 
@@ -285,7 +285,7 @@ def main():
             json.dump(results, f, indent=2)
 
     for precision in precisions:  # the reference loops: one process, the base loaded once per precision
-        unet = load_lora_unet(base, precision, device, rank=8, targets=UNET_TARGETS.split(","))
+        unet = load_lora_unet(base, precision, device, rank=8, targets=LORA_TARGETS.split(","))
         for batch_size, gc in itertools.product(batch_sizes, checkpointing):
             ref = reference_run(unet, scheduler, batch_size, precision, gc, g["steps"], g["warmup"], device)
             results["configs"].append({"batch_size": batch_size, "precision": precision, "gradient_checkpointing": gc,

@@ -113,7 +113,7 @@ def lora(cache_latents):
     from peft import LoraConfig
     from transformers import CLIPTextModel, CLIPTokenizer
 
-    from train_lora import UNET_TARGETS
+    from common.families.sd import LORA_TARGETS
 
     base = os.path.join(ROOT, "models/tiny-sd")
     pixels, _, captions = load_digits(32)
@@ -125,7 +125,7 @@ def lora(cache_latents):
     unet = UNet2DConditionModel.from_pretrained(base, subfolder="unet").requires_grad_(False)
     unet.set_attn_processor(AttnProcessor2_0())
     unet.add_adapter(LoraConfig(r=8, lora_alpha=8, init_lora_weights="gaussian",
-                                target_modules=UNET_TARGETS.split(",")))
+                                target_modules=LORA_TARGETS.split(",")))
     unet.train()
     prompts = sorted(set(captions))
     with torch.no_grad():

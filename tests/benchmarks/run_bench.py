@@ -18,8 +18,10 @@ import json
 import os
 import platform
 import re
+import select
 import shlex
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -33,7 +35,8 @@ sys.path.insert(0, HERE)
 
 import mixed_aspect  # noqa: E402  (tests/benchmarks/mixed_aspect.py: the data of lora_buckets and lora_square)
 
-PROGRESS = re.compile(rb"steps:\s+\d+%\|[^|\r\n]*\|\s*(\d+)/(\d+)")  # tqdm's "steps:  43%|####  | 10/23"
+# tqdm's "steps:  43%|####  | 10/23" (diffusers' examples: "Steps:")
+PROGRESS = re.compile(rb"(?i)steps:\s+\d+%\|[^|\r\n]*\|\s*(\d+)/(\d+)")
 BUCKETS, SQUARE = "lora_buckets", "lora_square"  # --buckets auto against square center crops of the same images
 
 
@@ -62,13 +65,45 @@ def tree_cpu_seconds(pid):
     return total / os.sysconf("SC_CLK_TCK")
 
 
-def run_timed(cmd, env, log_path):
-    """Run cmd, stdout+stderr to log_path. -> (wall seconds, {step n: (wall, CPU seconds) when tqdm showed it})."""
-    seen = {}
+def kill_tree(pid):
+    """SIGKILL a process and every process below it (Linux's /proc), youngest first: a launcher's workers too."""
+    tree, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        tree.append(p)
+        try:
+            with open(f"/proc/{p}/task/{p}/children") as f:
+                todo += [int(c) for c in f.read().split()]
+        except OSError:
+            pass
+    for p in reversed(tree):
+        try:
+            os.kill(p, signal.SIGKILL)
+        except OSError:
+            pass
+
+
+def stream_timed(cmd, env, log_path, timeout=None):
+    """Run cmd, stdout+stderr to log_path; past `timeout` seconds kill it and everything it started.
+    -> (return code, or None when killed; wall seconds; {step n: (wall, CPU seconds) when tqdm showed it})."""
+    seen, killed = {}, False
     with open(log_path, "wb", buffering=0) as log:  # unbuffered: a killed run still leaves its log
         start = time.perf_counter()
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-        while chunk := os.read(proc.stdout.fileno(), 1 << 16):  # tqdm flushes each update: one small write
+        fd = proc.stdout.fileno()
+        while True:
+            if timeout is not None:
+                left = timeout - (time.perf_counter() - start)
+                if left <= 0 and not killed:
+                    kill_tree(proc.pid)
+                    killed = True
+                if not select.select([fd], [], [], 1.0 if killed else min(left, 1.0))[0]:
+                    if killed and proc.poll() is not None:
+                        break  # its children are gone too, or hold the pipe open in vain
+                    continue
+            chunk = os.read(fd, 1 << 16)  # tqdm flushes each update: one small write
+            if not chunk:
+                break
             now = time.perf_counter() - start
             log.write(chunk)
             steps = [int(match[1]) for match in PROGRESS.finditer(chunk) if int(match[1]) not in seen]
@@ -77,9 +112,36 @@ def run_timed(cmd, env, log_path):
                 seen.update((n, (now, cpu)) for n in steps)
         rc = proc.wait()
         wall = time.perf_counter() - start
+    return None if killed else rc, wall, seen
+
+
+def run_timed(cmd, env, log_path):
+    """Run cmd, stdout+stderr to log_path. -> (wall seconds, {step n: (wall, CPU seconds) when tqdm showed it})."""
+    rc, wall, seen = stream_timed(cmd, env, log_path)
     if rc != 0:
         raise SystemExit(f"{' '.join(cmd)} exited {rc}; see {log_path}")
     return wall, seen
+
+
+def steady_rate(seen, warmup, steps, eval_every=None):
+    """Steps/s from the progress updates `seen` (stream_timed's), between step `warmup` and the last update before
+    step `steps` (tqdm prints the final step again when the bar closes, after evaluation and saving), less the
+    intervals that hold a multiple of `eval_every` (an end-of-epoch evaluation, a checkpoint). -> {steps_per_second,
+    steps_per_cpu_second (None where /proc is missing), timed_steps, first_step_s: launch to the end of step 1},
+    or None when fewer than two updates fall in that range."""
+    points = sorted((n, t) for n, t in seen.items() if warmup <= n < steps)
+    every = eval_every or steps
+    kept = [(n1 - n0, t1[0] - t0[0], t1[1] - t0[1] if t0[1] is not None and t1[1] is not None else None)
+            for (n0, t0), (n1, t1) in zip(points, points[1:])
+            if not any(n0 <= k < n1 for k in range(every, steps, every))]
+    if not kept:
+        return None
+    timed_steps = sum(k[0] for k in kept)
+    rate = timed_steps / sum(k[1] for k in kept)
+    cpu_rate = timed_steps / sum(k[2] for k in kept) if None not in [k[2] for k in kept] else None
+    first = min(n for n in seen if n >= 1)
+    return {"steps_per_second": rate, "steps_per_cpu_second": cpu_rate, "timed_steps": timed_steps,
+            "first_step_s": seen[first][0] - (first - 1) / rate}
 
 
 def accelerate_cli():
@@ -94,25 +156,16 @@ def recipe_run(name, w, config, launcher, env, tag, root=OUT):
     cmd = [*launcher, *config["launch"], w["script"], *w["args"], "--max_train_steps", str(w["steps"]),
            "--output_dir", out]
     wall, seen = run_timed(cmd, env, os.path.join(root, "logs", f"{name}-recipe-{tag}.log"))
-    # Intervals between the progress updates seen from the warm-up on, up to the last one before the end (tqdm
-    # prints the final step again when the bar closes, after evaluation and saving), less those that hold an
-    # end-of-epoch evaluation (`eval_every`).
-    points = sorted((n, t) for n, t in seen.items() if w["warmup"] <= n < w["steps"])
-    every = w.get("eval_every", w["steps"])
-    kept = [(n1 - n0, t1[0] - t0[0], t1[1] - t0[1] if t0[1] is not None else None)
-            for (n0, t0), (n1, t1) in zip(points, points[1:])
-            if not any(n0 <= k < n1 for k in range(every, w["steps"], every))]
-    if not kept:
+    timed = steady_rate(seen, w["warmup"], w["steps"], w.get("eval_every"))
+    if timed is None:
         raise SystemExit(f"{name}: too few progress updates to time ({sorted(seen)}); see the log in {root}/logs")
-    timed_steps = sum(k[0] for k in kept)
-    rate = timed_steps / sum(k[1] for k in kept)
-    cpu_rate = timed_steps / sum(k[2] for k in kept) if kept[0][2] is not None else None
-    first = min(n for n in seen if n >= 1)
+    rate = timed["steps_per_second"]
     with open(os.path.join(out, "all_results.json")) as f:
         results = json.load(f)
-    return {"steps_per_second": rate, "steps_per_cpu_second": cpu_rate, "samples_per_second": rate * w["batch_size"],
-            "peak_rss_mb": results["peak_memory_mb"], "first_step_s": seen[first][0] - (first - 1) / rate,
-            "wall_s": wall, "timed_steps": timed_steps, "load_average_1min": os.getloadavg()[0]}
+    return {"steps_per_second": rate, "steps_per_cpu_second": timed["steps_per_cpu_second"],
+            "samples_per_second": rate * w["batch_size"], "peak_rss_mb": results["peak_memory_mb"],
+            "first_step_s": timed["first_step_s"], "wall_s": wall, "timed_steps": timed["timed_steps"],
+            "load_average_1min": os.getloadavg()[0]}
 
 
 def reference_run(name, w, env, tag):

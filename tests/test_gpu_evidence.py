@@ -1,0 +1,200 @@
+"""`make gpu-evidence`'s driver (tests/benchmarks/gpu_evidence.py) on the CPU with the tiny SD, so that it works on
+the day a GPU is lent: pieces in their order, a result file a piece (command, versions, device, date), a piece
+stopped past its time and recorded as such while the next one runs, a resume compared, the skip of a piece whose
+result is there, the call's budget, and one line for a missing peer script, a family train_lora.py lacks and a
+machine without CUDA. `pack`'s offline parts: the peer scripts from the nearest tag, bitsandbytes stripped."""
+import json
+import subprocess
+import sys
+import zipfile
+
+from conftest import ROOT, assert_one_line_error, offline_env
+
+DRIVER = str(ROOT / "tests" / "benchmarks" / "gpu_evidence.py")
+sys.path.insert(0, str(ROOT / "tests" / "benchmarks"))
+
+
+def config(tmp_path, digits, tiny_sd, device="cpu"):
+    """Five pieces: one stopped at its 3 s limit, one that trains and resumes, one whose diffusers script is missing,
+    one for a family train_lora.py lacks, one that trains."""
+    text = f"""
+[gpu_evidence]
+data = {json.dumps(str(digits))}
+results = {json.dumps(str(tmp_path / "results"))}
+work = {json.dumps(str(tmp_path / "work"))}
+peers = {json.dumps(str(tmp_path / "no-peers"))}
+device = "{device}"
+max_piece_s = 480
+order = ["slow", "ok", "peer", "later", "fresh"]
+launch = ["launch", "--config_file", "accelerate_configs/cpu.yaml", "--num_cpu_threads_per_process", "1"]
+common = ["--mixed_precision", "no", "--rank", "4", "--seed", "42", "--max_train_samples", "8", "--center_crop"]
+packages = ["diffusers"]
+lora_targets = ["to_k", "to_q", "to_v", "to_out.0"]
+
+[gpu_evidence.env]
+HF_HUB_OFFLINE = "1"
+ACCELERATE_USE_CPU = "1"
+OMP_NUM_THREADS = "1"
+
+[gpu_evidence.models.tiny]
+path = {json.dumps(str(tiny_sd))}
+build = []
+
+[gpu_evidence.pieces.slow]
+title = "a piece over its time"
+model = "tiny"
+resolution = 32
+batch_size = 2
+steps = 4
+warmup = 1
+estimate_s = 3
+limit_s = 3
+runs = [{{id = "ours"}}, {{id = "never"}}]
+
+[gpu_evidence.pieces.ok]
+title = "a run and its resume"
+model = "tiny"
+resolution = 32
+batch_size = 2
+steps = 4
+warmup = 1
+checkpoint_at = 2
+estimate_s = 30
+runs = [{{id = "adamw", args = ["--cache_latents"], resume = true}}]
+
+[gpu_evidence.pieces.fresh]
+title = "a piece that does not fit the budget"
+model = "tiny"
+resolution = 32
+batch_size = 2
+steps = 4
+warmup = 1
+estimate_s = 30
+runs = [{{id = "ours"}}]
+
+[gpu_evidence.pieces.peer]
+title = "against diffusers' script"
+model = "tiny"
+resolution = 32
+batch_size = 2
+steps = 4
+warmup = 1
+estimate_s = 30
+runs = [{{id = "diffusers", peer = "train_text_to_image_lora.py"}}, {{id = "ours", baseline = "diffusers"}}]
+
+[gpu_evidence.pieces.later]
+title = "a family to come"
+family = "Flux"
+help_shows = "(?i)no such family here"
+model = "tiny"
+resolution = 32
+batch_size = 1
+steps = 4
+warmup = 1
+estimate_s = 30
+runs = []
+"""
+    path = tmp_path / "workloads.toml"
+    path.write_text(text)
+    return path
+
+
+def driver(*args):
+    env = offline_env()
+    env.pop("TQDM_DISABLE")  # the runs are timed by their progress bars
+    return subprocess.run([sys.executable, DRIVER, *map(str, args)], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_pieces_run_in_order_record_their_results_and_are_skipped_once_there(digits, tiny_sd, tmp_path):
+    cfg, out = config(tmp_path, digits, tiny_sd), tmp_path / "out"
+    proc = driver("run", "--config", cfg, "--pieces", "slow,ok,peer,later", "--export_dir", out)
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]  # something was missing: the peer script
+    lines = proc.stdout.splitlines()
+    peer = [line for line in lines if line.startswith("peer: not run: ")]
+    assert len(peer) == 1 and f"train_text_to_image_lora.py is not in {tmp_path / 'no-peers'}" in peer[0]
+    assert "make gpu-evidence-pack" in peer[0]
+    assert "later: not run: not available yet: train_lora.py has no Flux family" in lines
+
+    slow = json.loads((tmp_path / "results" / "slow.json").read_text())
+    assert slow["status"] == "timed_out"  # stopped at its limit, recorded as such ...
+    assert [r.get("error") for r in slow["runs"]] == ["stopped: out of time", "not run: the piece was out of time"]
+    assert slow["runs"][0]["returncode"] is None and slow["runs"][0]["wall_s"] < 30
+    ok = json.loads((tmp_path / "results" / "ok.json").read_text())  # ... and the next piece ran
+    assert lines.index("slow: a piece over its time") < lines.index("ok: a run and its resume")
+    assert ok["status"] == "done" and ok["command"].startswith("python tests/benchmarks/gpu_evidence.py run --config")
+    assert ok["machine"]["device"] == "cpu" and ok["machine"]["date"][:4] >= "2026"
+    assert ok["machine"]["versions"]["torch"] and ok["machine"]["versions"]["diffusers"]
+    (run,) = ok["runs"]
+    assert run["command"].startswith("accelerate launch --config_file accelerate_configs/cpu.yaml")
+    assert "train_lora.py" in run["command"] and "--checkpointing_steps 2" in run["command"]
+    assert run["returncode"] == 0 and run["peak_memory_mb"] > 0 and run["optimizer_state_mb"] > 0
+    assert run["wrapper_keys"] == []
+    assert run["resume"]["returncode"] == 0 and run["resume"]["exact"]  # bitwise on a CPU
+    assert "--resume_from_checkpoint latest" in run["resume"]["command"]
+    assert "| adamw" in ok["table"] and "resume: exact" in ok["table"]
+    assert json.loads((out / "gpu-evidence-results.json").read_text()) == {"slow": slow, "ok": ok}  # for $OUT
+    assert not (tmp_path / "results" / "peer.json").exists() and not (tmp_path / "results" / "later.json").exists()
+
+    again = driver("run", "--config", cfg, "--pieces", "slow,ok,fresh", "--budget_s", "1")
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert [line.split(" (")[0] for line in again.stdout.splitlines()[:2]] == \
+        ["slow: skipped: its result is there", "ok: skipped: its result is there"]
+    assert "fresh: left for the next call: it takes about 30 s" in again.stdout
+    assert json.loads((tmp_path / "results" / "ok.json").read_text()) == ok  # nothing written over
+    assert not (tmp_path / "results" / "fresh.json").exists()
+
+    (tmp_path / "results" / "ok.json").unlink()  # as in a fresh checkout: the results come back from $OUT
+    took = driver("take", "--config", cfg, out)
+    assert took.returncode == 0 and took.stdout.startswith("ok: done, "), took.stdout + took.stderr
+    assert json.loads((tmp_path / "results" / "ok.json").read_text()) == ok
+
+    report = driver("report", "--config", cfg)
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
+            for line in report.stdout.splitlines() if line.startswith("| ")}
+    assert rows["slow"][2:5] == ["timed out", ok["machine"]["date"][:10], "cpu"]
+    assert rows["ok"][2] == "done" and rows["peer"][2:] == ["not run yet", "", "", "`make gpu-evidence PIECES=peer`"]
+
+
+def test_no_cuda_device_is_one_line(digits, tiny_sd, tmp_path):
+    proc = driver("run", "--config", config(tmp_path, digits, tiny_sd, device="cuda"), "--pieces", "ok")
+    assert_one_line_error(proc, "no CUDA device", "make gpu-evidence measures on one GPU")
+    assert not (tmp_path / "results").exists()
+
+
+def test_pack_takes_the_peer_scripts_from_the_nearest_tag_below_the_pin(tmp_path):
+    import gpu_evidence
+
+    repo = tmp_path / "diffusers"
+    git = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run(["git", "init", "-q", str(repo)], check=True)
+    for version in ("0.39.0", "0.40.0", "0.43.0"):
+        for path in gpu_evidence.PEERS:
+            (repo / path).parent.mkdir(parents=True, exist_ok=True)
+            (repo / path).write_text(f"# {path} at {version}\n")
+        subprocess.run([*git, "add", "."], check=True)
+        subprocess.run([*git, "commit", "-q", "-m", version], check=True)
+        subprocess.run([*git, "tag", f"v{version}"], check=True)
+    source = gpu_evidence.copy_peers(str(repo), str(tmp_path / "peers"), "0.42.1")
+    assert source["tag"] == "v0.40.0" and "no tag v0.42.1" in source["note"]
+    for path in gpu_evidence.PEERS:
+        assert (tmp_path / "peers" / path.rsplit("/", 1)[1]).read_text() == f"# {path} at 0.40.0\n"
+    assert gpu_evidence.copy_peers(str(repo), str(tmp_path / "exact"), "0.43.0")["note"] == ""
+
+
+def test_pack_keeps_bitsandbytes_cpu_and_device_cuda_libraries_only(tmp_path):
+    import gpu_evidence
+
+    wheel = tmp_path / "bitsandbytes-0.50.2-py3-none-manylinux_2_24_x86_64.whl"
+    names = [f"bitsandbytes/{name}" for name in ("__init__.py", "libbitsandbytes_cpu.so", "libbitsandbytes_cuda130.so",
+                                                 "libbitsandbytes_cuda128.so", "libbitsandbytes_rocm72.so")]
+    with zipfile.ZipFile(wheel, "w") as z:
+        for name in names:
+            z.writestr(name, name)
+        z.writestr("bitsandbytes-0.50.2.dist-info/RECORD", "".join(f"{n},sha256=x,1\n" for n in names))
+    gpu_evidence.strip_bitsandbytes(str(wheel), cuda="130")
+    with zipfile.ZipFile(wheel) as z:
+        kept = sorted(z.namelist())
+        record = z.read("bitsandbytes-0.50.2.dist-info/RECORD").decode()
+    assert kept == sorted(names[:3] + ["bitsandbytes-0.50.2.dist-info/RECORD"])
+    assert [line.split(",")[0] for line in record.splitlines()] == names[:3]
