@@ -14,7 +14,7 @@ Stable Diffusion XL the same way (StableDiffusionXLPipeline, from the base's mod
     python sample.py --model stabilityai/stable-diffusion-xl-base-1.0 --lora outputs/lora-sdxl:0.8 --prompt "..." \
         --device cuda --dtype fp16
 
-Copy with: common/__init__.py, common/args.py, common/cli.py, common/diffusion.py, common/pipelines.py, common/reporting.py, common/sdxl.py, common/stable_diffusion.py
+Copy with: common/__init__.py, common/args.py, common/cli.py, common/diffusion.py, common/pipelines.py, common/reporting.py, common/sdxl.py, common/stable_diffusion.py, common/ui_lora.py
 """  # noqa: E501 (the copy list stays one line, for grep)
 import json
 import os

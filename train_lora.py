@@ -7,8 +7,9 @@ an SDXL base is conditioned on both its text encoders, the pooled embedding and 
 (original size, crop, target size; right with --buckets too). Frozen weights in fp16/bf16, LoRA weights in fp32; latents
 (--cache_latents) and text embeddings computed once; min-SNR weighting, noise offset, caption dropout, an EMA of
 the LoRA weights (--use_ema: what gets exported), validation images, resumable checkpoints that hold only the LoRA.
-Writes pytorch_lora_weights.safetensors (`pipe.load_lora_weights(output_dir)`), optionally the kohya/A1111/ComfyUI
-format, a model card, and lora_info.json, from which sample.py finds the base model.
+Writes pytorch_lora_weights.safetensors (`pipe.load_lora_weights(output_dir)`), beside it
+pytorch_lora_weights_kohya.safetensors for ComfyUI, Forge and A1111, a model card, and lora_info.json, from which
+sample.py finds the base model.
 
 Defaults suit a real base: --resolution is the base's native size (its VAE's sample_size, 512 for SD 1.5),
 --learning_rate 1e-4, --train_batch_size 16, as in diffusers' LoRA example.
@@ -34,7 +35,7 @@ SDXL (1024 px; the VAE always runs in fp32, so SDXL's fp16 VAE overflow cannot b
         --gradient_checkpointing --output_dir outputs/lora-sdxl
 Then:  python sample.py --model outputs/lora-naruto --prompt "a girl with pink hair"
 
-Copy with: common/__init__.py, common/args.py, common/buckets.py, common/caption_files.py, common/checkpoints.py, common/cli.py, common/diffusion.py, common/distributed.py, common/fsdp.py, common/image_data.py, common/lora_metadata.py, common/optimizers.py, common/preemption.py, common/reporting.py, common/sdxl.py, common/stable_diffusion.py, common/training.py, common/validation_loss.py
+Copy with: common/__init__.py, common/args.py, common/buckets.py, common/caption_files.py, common/checkpoints.py, common/cli.py, common/diffusion.py, common/distributed.py, common/fsdp.py, common/image_data.py, common/lora_metadata.py, common/optimizers.py, common/preemption.py, common/reporting.py, common/sdxl.py, common/stable_diffusion.py, common/training.py, common/ui_lora.py, common/validation_loss.py
 """  # noqa: E501 (the copy list stays one line, for grep)
 import math
 import os
@@ -116,12 +117,12 @@ def parse_args(argv=None):
     g.add_argument("--lora_dropout", type=probability, default=0.0)
     g.add_argument("--target_modules", type=comma_list, default=comma_list(UNET_TARGETS),
                    help=f"UNet modules that get LoRA (names or name suffixes), default {UNET_TARGETS}.")
-    g.add_argument("--use_dora", action="store_true", help="DoRA: weight-decomposed LoRA.")
+    g.add_argument("--use_dora", action="store_true",
+                   help="DoRA: weight-decomposed LoRA (exact in diffusers; ComfyUI and Forge apply it approximately, "
+                        "A1111 not at all: docs/train_lora.md).")
     g.add_argument("--train_text_encoder", action="store_true",
                    help="Also LoRA on the CLIP text encoder's attention projections (SDXL: both encoders').")
     g.add_argument("--text_encoder_lr", type=positive_float, default=None, help="Default: --learning_rate.")
-    g.add_argument("--export_kohya", action="store_true",
-                   help="Also write pytorch_lora_weights_kohya.safetensors (A1111/ComfyUI key names).")
     g = parser.add_argument_group("EMA of the LoRA weights")
     add_ema_args(g)
     g.add_argument("--offload_ema", action="store_true",
@@ -153,8 +154,6 @@ def parse_args(argv=None):
     check_bucket_args(args)
     if args.buckets == "auto" and os.path.isdir(args.pretrained_model_name_or_path):  # a hub base: once loaded
         check_bucket_resolution(args.resolution, size_factor(args.pretrained_model_name_or_path))
-    if args.export_kohya and args.use_dora:
-        parser.error("--export_kohya: the kohya format has no DoRA weights; drop --use_dora or --export_kohya")
     if not args.target_modules:
         parser.error("--target_modules: give at least one module name")
     if args.offload_ema and not args.use_ema:
@@ -548,7 +547,7 @@ def main(args):
             if global_step >= max_train_steps:
                 break
 
-        # 9. Save: the LoRA in diffusers' format (+ kohya), final images, a model card and the run summary.
+        # 9. Save: the LoRA in diffusers' format and the UIs', final images, a model card and the run summary.
         accelerator.wait_for_everyone()
         # <domain: the final validation, the LoRA and its model card>
         images = validate(global_step) if validating else []
@@ -556,10 +555,9 @@ def main(args):
         if accelerator.is_main_process:
             if ema is not None:  # the trained weights themselves, beside the EMA: pipe.load_lora_weights(".../raw")
                 save_lora_weights(os.path.join(args.output_dir, "raw"), final, {**info, "ema_weights": False},
-                                  kohya=args.export_kohya, metadata=file_metadata(global_step))
-            with ema_weights(ema, ema_params):
-                save_lora_weights(args.output_dir, final, info, kohya=args.export_kohya,
                                   metadata=file_metadata(global_step))
+            with ema_weights(ema, ema_params):
+                save_lora_weights(args.output_dir, final, info, metadata=file_metadata(global_step))
             write_model_card(args.output_dir, *lora_card(args, info, kind, global_step, last_loss, ema is not None,
                                                          (args.validation_prompt or [prompts[-1]])[0]),
                              images=[os.path.relpath(p, args.output_dir) for p in images])

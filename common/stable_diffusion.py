@@ -262,20 +262,31 @@ def load_lora_ema(ema, names, folder, device):
     ema.cur_decay_value = cur_decay_value
 
 
-def save_lora_weights(folder, lora_models, info, kohya=False, metadata=None):
+def save_lora_weights(folder, lora_models, info, metadata=None):
     """lora_models: {"unet": ..., "text_encoder": ...} (peft-adapted, unwrapped). Writes
     pytorch_lora_weights.safetensors with `StableDiffusionPipeline.save_lora_weights` (the adapter configs ride
-    along as diffusers' metadata, so alpha and DoRA load back), lora_info.json, and with `kohya` the kohya-format
-    file. `metadata` ({str: str}, common/lora_metadata.py's lora_metadata) goes into the header of both files. Main
-    process only."""
+    along as diffusers' metadata, so alpha and DoRA load back), beside it the file for the UIs (ComfyUI, Forge,
+    A1111: kohya's names with alphas and DoRA magnitudes, common/ui_lora.py) and lora_info.json. `metadata` ({str:
+    str}, common/lora_metadata.py's lora_metadata) goes into the header of both files. Main process only."""
     from diffusers import StableDiffusionPipeline, StableDiffusionXLPipeline
     from diffusers.loaders.lora_base import LORA_ADAPTER_METADATA_KEY
     from diffusers.utils import convert_state_dict_to_diffusers
     from peft.utils import get_peft_model_state_dict
     from safetensors.torch import save_file
 
+    from .ui_lora import DIFFUSERS_IMPLEMENTATION, SGM_IMPLEMENTATION, kohya_lora
+
     states = {name: get_peft_model_state_dict(model) for name, model in lora_models.items()}
     configs = {name: model.peft_config["default"].to_dict() for name, model in lora_models.items()}
+    sdxl = is_sdxl_unet(lora_models["unet"].config)
+    # The UI file first: a LoRA it cannot hold is one line before anything is written. SDXL: the sgm UNet's module
+    # names and lora_te1/lora_te2, as kohya's SDXL files have them; CLIP under its `text_model.` level, which
+    # transformers 5 dropped and kohya keeps.
+    rename = (lambda module: sgm_module_name(module, lora_models["unet"].config)) if sdxl else None
+    ui_weights = kohya_lora(states["unet"], info["lora_alpha"], "lora_unet", rename=rename)
+    for name, prefix in (("text_encoder", "lora_te1" if sdxl else "lora_te"), ("text_encoder_2", "lora_te2")):
+        if name in states:
+            ui_weights.update(kohya_lora(states[name], info["lora_alpha"], prefix, "text_model."))
     text_layers = {f"{name}_lora_layers": {text_encoder_key(key): value for key, value in
                                            convert_state_dict_to_diffusers(states[name]).items()}
                    for name in ("text_encoder", "text_encoder_2") if name in states}
@@ -283,20 +294,16 @@ def save_lora_weights(folder, lora_models, info, kohya=False, metadata=None):
     # diffusers writes its adapter metadata only with its own save function: the same entry, written here beside ours
     adapter_configs = {f"{name}.{key}": value for name, config in configs.items() for key, value in config.items()}
     header[LORA_ADAPTER_METADATA_KEY] = json.dumps(adapter_configs, indent=2, sort_keys=True, default=sorted)
-    sdxl = is_sdxl_unet(lora_models["unet"].config)
     (StableDiffusionXLPipeline if sdxl else StableDiffusionPipeline).save_lora_weights(
         # The UNet's keys stay in peft's format (lora_A/lora_B): converted, attention layers get diffusers' old
         # names (lora.down/lora.up) while convolutions keep peft's, and the loader then drops the attention ones
         # without an error (a LoRA on attention and convolutions would load half applied).
         folder, weight_name=LORA_WEIGHTS, unet_lora_layers=states["unet"], **text_layers,
         save_function=lambda weights, path: save_file(weights, path, metadata=header))
-    if kohya:  # SDXL: the sgm UNet's module names and lora_te1/lora_te2, as kohya's SDXL files have them
-        rename = (lambda module: sgm_module_name(module, lora_models["unet"].config)) if sdxl else None
-        weights = peft_to_kohya(states["unet"], info["lora_alpha"], "lora_unet", rename=rename)
-        for name, prefix in (("text_encoder", "lora_te1" if sdxl else "lora_te"), ("text_encoder_2", "lora_te2")):
-            if name in states:  # transformers 5 dropped CLIPTextModel's `text_model.` level; kohya keeps it
-                weights.update(peft_to_kohya(states[name], info["lora_alpha"], prefix, "text_model."))
-        save_file(weights, os.path.join(folder, KOHYA_WEIGHTS), metadata={"format": "pt", **(metadata or {})})
+    ui_header = {"format": "pt", **(metadata or {})}  # (no adapter configs: diffusers refuses them beside alphas)
+    if "modelspec.implementation" in ui_header:  # whose module names the file uses, as kohya's files say
+        ui_header["modelspec.implementation"] = SGM_IMPLEMENTATION if sdxl else DIFFUSERS_IMPLEMENTATION
+    save_file(ui_weights, os.path.join(folder, KOHYA_WEIGHTS), metadata=ui_header)
     write_lora_info(folder, info)
 
 
@@ -361,25 +368,6 @@ def text_encoder_key(key):
     sends the text encoder's keys) matches: peft's own name lacks the `.weight`, and load_adapter drops it."""
     key = key if key.startswith("text_model.") else "text_model." + key
     return key + ".weight" if key.endswith(".lora_magnitude_vector") else key
-
-
-def peft_to_kohya(state_dict, alpha, prefix, module_prefix="", rename=None):
-    """peft keys `<module>.lora_A.weight` / `.lora_B.weight` -> `<prefix>_<module, dots as underscores>` with
-    `.lora_down.weight`, `.lora_up.weight` and `.alpha` (diffusers' own names give ComfyUI "lora key not loaded").
-    rename(module) -> the module's name in the kohya file (SDXL's UNet: common/sdxl.py's sgm_module_name)."""
-    import torch
-
-    names = {"A.weight": "lora_down.weight", "B.weight": "lora_up.weight"}
-    kohya = {}
-    for key, value in state_dict.items():
-        module, _, kind = key.rpartition(".lora_")
-        if kind not in names:
-            raise ValueError(f"kohya export: no kohya name for '{key}' (DoRA magnitudes and biases have none)")
-        module = rename(module) if rename else module
-        name = f"{prefix}_{(module if module.startswith(module_prefix) else module_prefix + module).replace('.', '_')}"
-        kohya[f"{name}.{names[kind]}"] = value.detach().contiguous()
-        kohya[f"{name}.alpha"] = torch.tensor(float(alpha), dtype=value.dtype)
-    return kohya
 
 
 def idle_frozen_models(cache_latents, text_cached, validation_prompts):

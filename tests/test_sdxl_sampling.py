@@ -51,7 +51,7 @@ def loras(tmp_path_factory, tiny_sd, tiny_sdxl):
         pipe = pipeline_class.from_pretrained(base)
         metadata = {"base_model": str(base), **base_model_metadata(pipe.unet.config, "epsilon")}
         save_lora_weights(str(root / kind), add_lora(pipe, parts), {"base_model": str(base), "rank": 4,
-                                                                    "lora_alpha": 4}, kohya=True, metadata=metadata)
+                                                                    "lora_alpha": 4}, metadata=metadata)
         paths[kind] = root / kind
     for name, file in (("sdxl_keys", root / "sdxl" / LORA_WEIGHTS), ("sdxl_kohya_keys", root / "sdxl" / KOHYA_WEIGHTS),
                        ("sd_kohya_keys", root / "sd" / KOHYA_WEIGHTS)):
