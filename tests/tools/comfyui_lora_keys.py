@@ -16,7 +16,7 @@ UNets) and its text encoders through comfy.sd.load_text_encoder_state_dicts (the
 with CLIP's `text_model.` level that transformers 5 no longer writes). comfy.lora's model_lora_keys_unet and
 model_lora_keys_clip give the names load_lora_for_models (the LoraLoader node) matches a LoRA file's keys against.
 --write keeps the kohya-style ones ("lora_unet_...", "lora_te_...", "lora_te1_...", "lora_te2_...") in
-tests/data/comfyui_lora_keys.json.gz (gzip: 21 KB instead of 440): per base, each name -> the model and diffusers
+tests/data/comfyui_lora_keys.json.gz (gzip: 25 KB instead of 480): per base, each name -> the model and diffusers
 module whose weight ComfyUI patches (through ComfyUI's own comfy.utils.unet_to_diffusers for the UNet) and the number
 of dimensions of that weight.
 
@@ -24,6 +24,9 @@ It also keeps, for SD3 and Flux.1, the "transformer.<diffusers module>" names co
 transformers (through comfy.utils.mmdit_to_diffusers and flux_to_diffusers: ComfyUI's weight, the slice of it a
 module's LoRA patches, and whether it swaps its halves), and the names it reads for the CLIP text encoders beside
 them, diffusers' "text_encoder." and "text_encoder_2." (from the SDXL base's map).
+
+--sd3 DIR / --flux DIR load a transformer that tests/tools/flow_lora_files.py wrote (with load_diffusion_model, as
+the UNets), for --lora sd3=FILE / flux=FILE.
 
 --lora BASE=FILE loads FILE through comfy.sd.load_lora_for_models (strengths 1) and prints the keys ComfyUI leaves
 ("lora key not loaded"), the weights it patches, and per patched weight the largest difference between ComfyUI's
