@@ -16,7 +16,7 @@ UNets) and its text encoders through comfy.sd.load_text_encoder_state_dicts (the
 with CLIP's `text_model.` level that transformers 5 no longer writes). comfy.lora's model_lora_keys_unet and
 model_lora_keys_clip give the names load_lora_for_models (the LoraLoader node) matches a LoRA file's keys against.
 --write keeps the kohya-style ones ("lora_unet_...", "lora_te_...", "lora_te1_...", "lora_te2_...") in
-tests/data/comfyui_lora_keys.json.gz (gzip: 25 KB instead of 480): per base, each name -> the model and diffusers
+tests/data/comfyui_lora_keys.json.gz (gzip: 25 KB instead of 500): per base, each name -> the model and diffusers
 module whose weight ComfyUI patches (through ComfyUI's own comfy.utils.unet_to_diffusers for the UNet) and the number
 of dimensions of that weight.
 
