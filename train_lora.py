@@ -9,8 +9,9 @@ input) and calls its denoiser. The denoiser frozen, LoRA (init_lora_weights="gau
 objective's flags are refused); frozen weights in fp16/bf16, LoRA in fp32; latents (--cache_latents) and prompt
 embeddings computed once, then the text encoders leave the accelerator; caption dropout, an EMA of the LoRA weights
 (--use_ema: what gets exported), validation images, a held-out loss, resumable checkpoints. Writes
-pytorch_lora_weights.safetensors (`pipe.load_lora_weights(output_dir)`), optionally the kohya/A1111/ComfyUI format,
-a model card, and lora_info.json, from which sample.py finds the base model.
+pytorch_lora_weights.safetensors (`pipe.load_lora_weights(output_dir)`), beside it
+pytorch_lora_weights_kohya.safetensors for ComfyUI, Forge and A1111, a model card, and lora_info.json, from which
+sample.py finds the base model.
 
 Defaults suit a real base: --resolution is the base's native size (its VAE's sample_size, 512 for SD 1.5),
 --learning_rate 1e-4, --train_batch_size 16, as in diffusers' LoRA example.
@@ -42,7 +43,7 @@ Flux.1-dev (bf16 base, gradient checkpointing; --quantize_base nf4 for the QLoRA
 Then:  python sample.py --model outputs/lora-naruto --prompt "a girl with pink hair"
 
 A copy also needs the module of its base's family: common/families/sd.py, sdxl.py, sd3.py or flux.py.
-Copy with: common/__init__.py, common/args.py, common/base_models.py, common/buckets.py, common/caption_files.py, common/checkpoints.py, common/cli.py, common/diffusion.py, common/distributed.py, common/families/__init__.py, common/fsdp.py, common/image_data.py, common/lora_adapters.py, common/lora_files.py, common/lora_metadata.py, common/objectives.py, common/optimizers.py, common/preemption.py, common/prompts.py, common/reporting.py, common/sgm_names.py, common/training.py, common/vae.py, common/validation_images.py, common/validation_loss.py
+Copy with: common/__init__.py, common/args.py, common/base_models.py, common/buckets.py, common/caption_files.py, common/checkpoints.py, common/cli.py, common/diffusion.py, common/distributed.py, common/families/__init__.py, common/fsdp.py, common/image_data.py, common/lora_adapters.py, common/lora_files.py, common/lora_metadata.py, common/objectives.py, common/optimizers.py, common/preemption.py, common/prompts.py, common/reporting.py, common/sgm_names.py, common/training.py, common/ui_lora.py, common/vae.py, common/validation_images.py, common/validation_loss.py
 """  # noqa: E501 (the copy list stays one line, for grep)
 import math
 import os
@@ -98,13 +99,13 @@ def parse_args(argv=None):
                    help="Denoiser modules that get LoRA (names or name suffixes); default: the family's attention "
                         "projections (SD: to_k,to_q,to_v,to_out.0; SD3 and Flux.1 also the text stream's add_*_proj "
                         "and to_add_out).")
-    g.add_argument("--use_dora", action="store_true", help="DoRA: weight-decomposed LoRA.")
+    g.add_argument("--use_dora", action="store_true",
+                   help="DoRA: weight-decomposed LoRA (exact in diffusers; ComfyUI and Forge apply it approximately, "
+                        "A1111 not at all: docs/train_lora.md).")
     g.add_argument("--train_text_encoder", action="store_true",
                    help="Also LoRA on the CLIP text encoders' attention projections (SDXL and SD3: both CLIPs; "
                         "Flux.1: its CLIP; never T5).")
     g.add_argument("--text_encoder_lr", type=positive_float, default=None, help="Default: --learning_rate.")
-    g.add_argument("--export_kohya", action="store_true",
-                   help="Also write pytorch_lora_weights_kohya.safetensors (A1111/ComfyUI key names).")
     g = parser.add_argument_group("EMA of the LoRA weights")
     add_ema_args(g)
     g.add_argument("--offload_ema", action="store_true",
@@ -447,7 +448,7 @@ def main(args):
             if global_step >= max_train_steps:
                 break
 
-        # 9. Save: the LoRA in the family pipeline's format (+ kohya), final images, a model card and the run summary.
+        # 9. Save: the LoRA in diffusers' format and the UIs', final images, a model card and the run summary.
         accelerator.wait_for_everyone()
         # <domain: the final validation, the LoRA and its model card>
         images = validate(global_step) if validating else []
@@ -455,10 +456,9 @@ def main(args):
         if accelerator.is_main_process:
             if ema is not None:  # the trained weights themselves, beside the EMA: pipe.load_lora_weights(".../raw")
                 save_lora_weights(os.path.join(args.output_dir, "raw"), family, final, {**info, "ema_weights": False},
-                                  kohya=args.export_kohya, metadata=file_metadata(global_step))
-            with ema_weights(ema, ema_params):
-                save_lora_weights(args.output_dir, family, final, info, kohya=args.export_kohya,
                                   metadata=file_metadata(global_step))
+            with ema_weights(ema, ema_params):
+                save_lora_weights(args.output_dir, family, final, info, metadata=file_metadata(global_step))
             write_model_card(args.output_dir, *lora_card(args, info, family, global_step, last_loss, ema is not None,
                                                          (args.validation_prompt or [captions.prompts[-1]])[0]),
                              images=[os.path.relpath(p, args.output_dir) for p in images])

@@ -17,8 +17,6 @@ def check_lora_args(args, family):
     not fetched yet; main calls this again): the default targets, --quantize_base's package."""
     import importlib.util
 
-    if args.export_kohya and args.use_dora:
-        raise UserError("--export_kohya: the kohya format has no DoRA weights; drop --use_dora or --export_kohya")
     if args.target_modules == []:
         raise UserError("--target_modules: give at least one module name")
     if args.offload_ema and not args.use_ema:

@@ -11,7 +11,7 @@ from .families import TWO_CLIPS, lora_family
 LORA_INFO = "lora_info.json"
 LORA_WEIGHTS = "pytorch_lora_weights.safetensors"  # diffusers' name: pipe.load_lora_weights(folder) finds it
 ADAPTER_FILE = "adapter_model.safetensors"
-KOHYA_WEIGHTS = "pytorch_lora_weights_kohya.safetensors"
+KOHYA_WEIGHTS = "pytorch_lora_weights_kohya.safetensors"  # the UIs' file (ComfyUI, Forge, A1111): kohya's names
 
 
 def safetensors_header(path, flag):
@@ -113,11 +113,12 @@ def load_lora_ema(ema, names, folder, device):
     ema.cur_decay_value = cur_decay_value
 
 
-def save_lora_weights(folder, family, lora_models, info, kohya=False, metadata=None):
+def save_lora_weights(folder, family, lora_models, info, metadata=None):
     """lora_models: {"unet" or "transformer": ..., "text_encoder": ..., ...} (peft-adapted, unwrapped), of a base of
     `family`. Writes pytorch_lora_weights.safetensors with the family's pipeline's `save_lora_weights` (the adapter
-    configs ride along as diffusers' metadata, so alpha and DoRA load back), lora_info.json, and with `kohya` the
-    kohya-format file. `metadata` ({str: str}, common/lora_metadata.py's lora_metadata) goes into the header of both
+    configs ride along as diffusers' metadata, so alpha and DoRA load back), beside it the file for the UIs
+    (ComfyUI, Forge, A1111: the family's ui_lora names with alphas and DoRA magnitudes, common/ui_lora.py) and
+    lora_info.json. `metadata` ({str: str}, common/lora_metadata.py's lora_metadata) goes into the header of both
     files. Main process only."""
     import diffusers
     from diffusers.loaders.lora_base import LORA_ADAPTER_METADATA_KEY
@@ -127,6 +128,8 @@ def save_lora_weights(folder, family, lora_models, info, kohya=False, metadata=N
 
     states = {name: get_peft_model_state_dict(model) for name, model in lora_models.items()}
     configs = {name: model.peft_config["default"].to_dict() for name, model in lora_models.items()}
+    # the UI file first: a LoRA it cannot hold is one line before anything is written
+    ui_weights = family.ui_lora(states, info["lora_alpha"], lora_models[family.DENOISER].config)
     text_layers = {f"{name}_lora_layers": {text_encoder_key(key): value for key, value in
                                            convert_state_dict_to_diffusers(state).items()}
                    for name, state in states.items() if name != family.DENOISER}
@@ -140,13 +143,10 @@ def save_lora_weights(folder, family, lora_models, info, kohya=False, metadata=N
         # attention ones without an error (a LoRA on attention and convolutions would load half applied).
         folder, weight_name=LORA_WEIGHTS, **{f"{family.DENOISER}_lora_layers": states[family.DENOISER]},
         **text_layers, save_function=lambda weights, path: save_file(weights, path, metadata=header))
-    if kohya:
-        config = lora_models[family.DENOISER].config
-        weights = {}
-        for name, state in states.items():
-            weights.update(peft_to_kohya(state, info["lora_alpha"],
-                                         lambda module, name=name: family.kohya_module_name(name, module, config)))
-        save_file(weights, os.path.join(folder, KOHYA_WEIGHTS), metadata={"format": "pt", **(metadata or {})})
+    ui_header = {"format": "pt", **(metadata or {})}  # (no adapter configs: diffusers refuses them beside alphas)
+    if "modelspec.implementation" in ui_header:  # whose module names the file uses, as kohya's files say
+        ui_header["modelspec.implementation"] = family.UI_IMPLEMENTATION
+    save_file(ui_weights, os.path.join(folder, KOHYA_WEIGHTS), metadata=ui_header)
     write_lora_info(folder, info)
 
 
@@ -207,21 +207,3 @@ def text_encoder_key(key):
     sends the text encoder's keys) matches: peft's own name lacks the `.weight`, and load_adapter drops it."""
     key = key if key.startswith("text_model.") else "text_model." + key
     return key + ".weight" if key.endswith(".lora_magnitude_vector") else key
-
-
-def peft_to_kohya(state_dict, alpha, name_of):
-    """peft keys `<module>.lora_A.weight` / `.lora_B.weight` -> `<name_of(module)>` with `.lora_down.weight`,
-    `.lora_up.weight` and `.alpha` (diffusers' own names give ComfyUI "lora key not loaded"). name_of: the family's
-    kohya_module_name for one component."""
-    import torch
-
-    names = {"A.weight": "lora_down.weight", "B.weight": "lora_up.weight"}
-    kohya = {}
-    for key, value in state_dict.items():
-        module, _, kind = key.rpartition(".lora_")
-        if kind not in names:
-            raise ValueError(f"kohya export: no kohya name for '{key}' (DoRA magnitudes and biases have none)")
-        name = name_of(module)
-        kohya[f"{name}.{names[kind]}"] = value.detach().contiguous()
-        kohya[f"{name}.alpha"] = torch.tensor(float(alpha), dtype=value.dtype)
-    return kohya

@@ -60,7 +60,10 @@ def lora_card(args, info, family, steps, last_loss, ema, prompt):
                          "in raw/") if ema else "the trained ones",
              "trigger (caption prefix)": f"`{args.caption_prefix}`" if args.caption_prefix else "none",
              "final loss": f"{last_loss:.4f}" if last_loss is not None else "n/a",
-             "validation prompts": "; ".join(args.validation_prompt) or "none"}
+             "validation prompts": "; ".join(args.validation_prompt) or "none",
+             "ComfyUI, Forge, A1111": "`pytorch_lora_weights_kohya.safetensors`, in their LoRA folder"
+                                      + ("; DoRA: ComfyUI and Forge apply it approximately, A1111 not at all"
+                                         if args.use_dora else "")}
     usage = (f"from diffusers import {pipeline_class}\n"
              f'pipe = {pipeline_class}.from_pretrained("{info["base_model"]}")\n'
              f'pipe.load_lora_weights("{args.output_dir}")\n'

@@ -34,7 +34,7 @@ KOHYA = "pytorch_lora_weights_kohya.safetensors"
 def trained(digits, tiny_sd, tmp_path_factory):
     out = tmp_path_factory.mktemp("lora") / "run"
     proc = launch("train_lora.py", "--train_data_dir", digits, "--pretrained_model_name_or_path", tiny_sd,
-                  "--output_dir", out, *TINY, "--cache_latents", "--export_kohya")
+                  "--output_dir", out, *TINY, "--cache_latents")
     (out.parent / "stderr.txt").write_text(proc.stderr)  # beside the run, not in it
     return out
 
@@ -189,11 +189,10 @@ def test_saved_lora_weights_load_back_into_both_models(tiny_sd, tmp_path, use_do
     expected = fixed_unet_output(trained.unet), fixed_text_output(trained)
     assert all((a - b).abs().max() > 1e-3 for a, b in zip(before, expected))
     save_lora_weights(tmp_path, sd, {"unet": trained.unet, "text_encoder": trained.text_encoder},
-                      {"base_model": str(tiny_sd), "rank": 4, "lora_alpha": 8}, kohya=not use_dora)
+                      {"base_model": str(tiny_sd), "rank": 4, "lora_alpha": 8})
     keys = [key for key in load_file(tmp_path / "pytorch_lora_weights.safetensors") if key.startswith("text_encoder.")]
     assert keys and all(key.startswith("text_encoder.text_model.encoder.layers.") for key in keys), keys[:3]
-    if not use_dora:
-        assert "lora_te_text_model_encoder_layers_0_self_attn_q_proj.lora_down.weight" in load_file(tmp_path / KOHYA)
+    assert "lora_te_text_model_encoder_layers_0_self_attn_q_proj.lora_down.weight" in load_file(tmp_path / KOHYA)
     for weight_name in (None,) if use_dora else (None, KOHYA):
         pipe = StableDiffusionPipeline.from_pretrained(tiny_sd)
         pipe.load_lora_weights(tmp_path, weight_name=weight_name)
@@ -244,7 +243,7 @@ def test_resume_and_ctrl_c_stop_match_the_uninterrupted_run(trained, digits, tin
     out = tmp_path / "resumed"
     out.mkdir()
     shutil.copytree(trained / "checkpoint-6", out / "checkpoint-6")
-    args = lora_args(digits, tiny_sd, out, "--cache_latents", "--export_kohya", "--resume_from_checkpoint", "latest")
+    args = lora_args(digits, tiny_sd, out, "--cache_latents", "--resume_from_checkpoint", "latest")
     returncode, stderr = signal_when_ready([sys.executable, ROOT / "train_lora.py", *args], out / "logs",
                                            signal.SIGINT)
     assert returncode == 130, stderr[-3000:]

@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 STEPS = 4
 EMA = ["--max_train_samples", "32", "--train_batch_size", "8", "--max_train_steps", str(STEPS),
        "--checkpointing_steps", "1", "--rank", "4", "--lora_alpha", "8", "--learning_rate", "1e-2",
-       "--train_text_encoder", "--logging_steps", "1", "--cache_latents", "--export_kohya",
+       "--train_text_encoder", "--logging_steps", "1", "--cache_latents",
        "--validation_prompt", "a handwritten digit seven", "--validation_steps", "100", "--num_validation_images", "1",
        "--validation_inference_steps", "2", "--use_ema", "--ema_max_decay", "0.9"]
 LORA = "pytorch_lora_weights.safetensors"

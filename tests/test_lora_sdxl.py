@@ -20,7 +20,7 @@ TINY = ["--max_train_samples", "32", "--train_batch_size", "8", "--max_train_ste
         "--rank", "4", "--lora_alpha", "8", "--learning_rate", "1e-2", "--train_text_encoder", "--random_flip",
         "--logging_steps", "1", "--target_modules", ",".join(UNET_TARGETS), "--validation_prompt",
         "a handwritten digit seven", "--validation_steps", "4", "--num_validation_images", "1",
-        "--validation_inference_steps", "2", "--export_kohya", "--caption_prefix", "sks, "]
+        "--validation_inference_steps", "2", "--caption_prefix", "sks, "]
 KOHYA = "pytorch_lora_weights_kohya.safetensors"
 
 

@@ -52,7 +52,7 @@ def loras(tmp_path_factory, tiny_sd, tiny_sdxl):
         family = family_module(kind)
         metadata = {"base_model": str(base), **family.base_metadata(pipe.unet.config, "epsilon")}
         save_lora_weights(str(root / kind), family, add_lora(pipe, parts), {"base_model": str(base), "rank": 4,
-                                                                    "lora_alpha": 4}, kohya=True, metadata=metadata)
+                                                                    "lora_alpha": 4}, metadata=metadata)
         paths[kind] = root / kind
     for name, file in (("sdxl_keys", root / "sdxl" / LORA_WEIGHTS), ("sdxl_kohya_keys", root / "sdxl" / KOHYA_WEIGHTS),
                        ("sd_kohya_keys", root / "sd" / KOHYA_WEIGHTS)):

@@ -71,7 +71,7 @@ def style_lora(tmp_path_factory):
     proc = launch("train_lora.py", "--train_data_dir", data / "red", "--output_dir", out, "--cache_latents",
            "--learning_rate", "3e-3", "--train_batch_size", "16", "--max_train_steps", "150",
            "--caption_dropout_prob", "0.1", "--target_modules",
-           STYLE_TARGETS, "--export_kohya", "--validation_prompt", "a handwritten digit three, red ink on paper",
+           STYLE_TARGETS, "--validation_prompt", "a handwritten digit three, red ink on paper",
            "--num_validation_images", "4", "--validation_split", "0.05", "--checkpointing_steps", "1000",
            "--report_to", "none")
     (data / "stderr.txt").write_text(proc.stderr)  # beside the run, not in it

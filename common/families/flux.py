@@ -6,6 +6,7 @@ loss weighting, target noise - x0.
 """
 from ..diffusion import FLOW_SCHEDULER_CLASSES
 from ..prompts import clip_ids, t5_ids
+from ..ui_lora import DIFFUSERS_IMPLEMENTATION, prefixed_lora
 from ..vae import vae_factor, vae_sample_size
 
 KEY = "flux"
@@ -157,8 +158,14 @@ def base_metadata(denoiser_config, prediction_type):
     return {"ss_base_model_version": "flux1", "modelspec.architecture": f"flux-1-{variant}/lora"}
 
 
-def kohya_module_name(component, module, denoiser_config):
-    from ..cli import UserError
+UI_IMPLEMENTATION = DIFFUSERS_IMPLEMENTATION
 
-    raise UserError("--export_kohya: Flux.1 LoRAs are written in the names ComfyUI reads already "
-                    "(pytorch_lora_weights.safetensors); leave --export_kohya out")
+
+def ui_lora(states, alpha, denoiser_config):
+    """ComfyUI and Forge read Flux.1 LoRAs under diffusers' module paths (`transformer.<module>`; its CLIP's under
+    `text_encoder.text_model.`), with alphas and DoRA magnitudes; the final norm's halves are swapped in ComfyUI's
+    weight (common/ui_lora.py)."""
+    weights = prefixed_lora(states["transformer"], alpha, "transformer", swapped_halves=("norm_out.linear",))
+    if "text_encoder" in states:
+        weights.update(prefixed_lora(states["text_encoder"], alpha, "text_encoder", "text_model."))
+    return weights

@@ -3,6 +3,7 @@ one CLIP text encoder. The reference family: every family module defines the nam
 """
 from ..diffusion import SCHEDULER_CLASSES
 from ..prompts import clip_ids
+from ..ui_lora import DIFFUSERS_IMPLEMENTATION, kohya_lora
 from ..vae import vae_factor, vae_sample_size
 
 KEY = "sd"
@@ -121,10 +122,14 @@ def base_metadata(denoiser_config, prediction_type):
             "modelspec.prediction_type": "v" if v else prediction_type}
 
 
-def kohya_module_name(component, module, denoiser_config):
-    """A module's name in kohya's LoRA files (what A1111 and ComfyUI map): SD 1.x/2.x's files keep diffusers' module
-    paths, dots as underscores, under lora_unet_ / lora_te_ (the CLIP text model under `text_model.`)."""
-    if component == "unet":
-        return "lora_unet_" + module.replace(".", "_")
-    module = module if module.startswith("text_model.") else "text_model." + module
-    return "lora_te_" + module.replace(".", "_")
+UI_IMPLEMENTATION = DIFFUSERS_IMPLEMENTATION  # ModelSpec's name for the UI file's module names (kohya's)
+
+
+def ui_lora(states, alpha, denoiser_config):
+    """The UI LoRA file's tensors (ComfyUI, Forge, A1111 read kohya's names): SD 1.x/2.x's keep diffusers' module
+    paths, dots as underscores, under lora_unet_ / lora_te_ (the CLIP text model under `text_model.`), with alphas
+    and DoRA magnitudes (common/ui_lora.py). states: {component: peft state dict}."""
+    weights = kohya_lora(states["unet"], alpha, "lora_unet")
+    if "text_encoder" in states:
+        weights.update(kohya_lora(states["text_encoder"], alpha, "lora_te", "text_model."))
+    return weights

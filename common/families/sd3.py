@@ -6,6 +6,7 @@ preconditioned outputs (x_t - sigma * output compared with x0). It runs without 
 """
 from ..diffusion import FLOW_SCHEDULER_CLASSES
 from ..prompts import clip_ids, t5_ids
+from ..ui_lora import DIFFUSERS_IMPLEMENTATION, prefixed_lora
 from ..vae import vae_factor
 
 KEY = "sd3"
@@ -139,8 +140,16 @@ def base_metadata(denoiser_config, prediction_type):
     return {"ss_base_model_version": "sd3", "modelspec.architecture": f"stable-diffusion-{version}/lora"}
 
 
-def kohya_module_name(component, module, denoiser_config):
-    from ..cli import UserError
+UI_IMPLEMENTATION = DIFFUSERS_IMPLEMENTATION
 
-    raise UserError("--export_kohya: SD3 LoRAs are written in the names ComfyUI reads already "
-                    "(pytorch_lora_weights.safetensors); leave --export_kohya out")
+
+def ui_lora(states, alpha, denoiser_config):
+    """ComfyUI and Forge read SD3 LoRAs under diffusers' module paths (`transformer.<module>`; the CLIPs' under
+    `text_encoder(_2).text_model.`), with alphas and DoRA magnitudes; the final norm's and the last block's context
+    norm's halves are swapped in ComfyUI's weights (common/ui_lora.py)."""
+    last = f"transformer_blocks.{denoiser_config['num_layers'] - 1}.norm1_context.linear"
+    weights = prefixed_lora(states["transformer"], alpha, "transformer", swapped_halves=("norm_out.linear", last))
+    for name in ("text_encoder", "text_encoder_2"):
+        if name in states:
+            weights.update(prefixed_lora(states[name], alpha, name, "text_model."))
+    return weights

@@ -6,6 +6,7 @@ files name the original "sgm" UNet's modules (input_blocks/middle_block/output_b
 from ..diffusion import SCHEDULER_CLASSES
 from ..prompts import clip_ids
 from ..sgm_names import sgm_module_name
+from ..ui_lora import SGM_IMPLEMENTATION, kohya_lora
 from ..vae import vae_factor, vae_sample_size
 
 KEY = "sdxl"
@@ -131,10 +132,14 @@ def base_metadata(denoiser_config, prediction_type):
             "modelspec.prediction_type": "v" if v else prediction_type}
 
 
-def kohya_module_name(component, module, denoiser_config):
+UI_IMPLEMENTATION = SGM_IMPLEMENTATION  # kohya's SDXL files name Stability's own UNet's modules
+
+
+def ui_lora(states, alpha, denoiser_config):
     """kohya's SDXL names: the sgm UNet's module paths under lora_unet_, the two text encoders under lora_te1_ and
-    lora_te2_ (their CLIP text models under `text_model.`), dots as underscores."""
-    if component == "unet":
-        return "lora_unet_" + sgm_module_name(module, denoiser_config).replace(".", "_")
-    module = module if module.startswith("text_model.") else "text_model." + module
-    return ("lora_te1_" if component == "text_encoder" else "lora_te2_") + module.replace(".", "_")
+    lora_te2_ (their CLIP text models under `text_model.`), dots as underscores; alphas and DoRA magnitudes."""
+    weights = kohya_lora(states["unet"], alpha, "lora_unet", rename=lambda m: sgm_module_name(m, denoiser_config))
+    for name, prefix in (("text_encoder", "lora_te1"), ("text_encoder_2", "lora_te2")):
+        if name in states:
+            weights.update(kohya_lora(states[name], alpha, prefix, "text_model."))
+    return weights
