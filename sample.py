@@ -279,8 +279,9 @@ def sample_pipeline(args):
 
     steps = args.num_inference_steps or family.SAMPLE_STEPS
     guidance = args.guidance_scale if args.guidance_scale is not None else family.SAMPLE_GUIDANCE
-    if info and info.get("max_sequence_length") and args.max_sequence_length is None:  # T5's length as trained
-        args.max_sequence_length = info["max_sequence_length"]
+    if "max_sequence_length" in family.SAMPLE_FLAGS:  # T5's length: as the LoRA trained, else the base's
+        args.max_sequence_length = family.text_length(pipe.components, args.max_sequence_length
+                                                      or (info or {}).get("max_sequence_length"))
     extra = {flag: getattr(args, flag) for flag in family.SAMPLE_FLAGS if flag != "drop_t5"}
     common = {"model": args.model, "base_model": base, "lora": ",".join(f"{p}:{s:g}" for p, s in loras),
               "scheduler": args.scheduler or family.SAMPLER, "num_inference_steps": steps,

@@ -228,6 +228,7 @@ def main(args):
                        cache_dir=args.cache_dir, skip=family.OPTIONAL_COMPONENTS if args.drop_t5 else (),
                        quantization_config=quantization)
     noise_scheduler, vae, denoiser = parts["scheduler"], parts["vae"], parts[family.DENOISER]
+    args.max_sequence_length = family.text_length(parts, args.max_sequence_length, training=True)  # T5's, if any
     if args.prediction_type:
         noise_scheduler.register_to_config(prediction_type=args.prediction_type)
     objective = make_objective(family, noise_scheduler, args)  # what the denoiser learns (common/objectives.py)

@@ -220,7 +220,7 @@ def add_base_model_args(group, default, help):
 
 def check_family_args(args, family):
     """One line for a flag that means nothing for the base's family; the family's defaults filled in (objective
-    flags, T5's length, the training guidance)."""
+    flags, the training guidance; T5's length once the tokenizer is loaded: family.text_length)."""
     from .objectives import check_objective_args
 
     check_objective_args(args, family)
@@ -229,8 +229,6 @@ def check_family_args(args, family):
                                 ("drop_t5", family.OPTIONAL_COMPONENTS, "SD3 without T5")):
         if getattr(args, flag, None) and applies is None:
             raise UserError(f"--{flag} ({what}) means nothing for a {family.NAME} base: leave it out")
-    if getattr(args, "max_sequence_length", None) is None and family.MAX_SEQUENCE_LENGTH:
-        args.max_sequence_length = family.MAX_SEQUENCE_LENGTH
     if getattr(args, "guidance_scale", None) is None and family.TRAINING_GUIDANCE:
         args.guidance_scale = family.TRAINING_GUIDANCE
 

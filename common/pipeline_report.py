@@ -123,7 +123,9 @@ def pipeline_guidance(pipe, scale, batch):
     if family is None:
         return {"guidance_scale": 7.5 if scale is None else scale}
     scale = family.SAMPLE_GUIDANCE if scale is None else scale
-    return family.guidance_kwargs(getattr(pipe, family.DENOISER).config, scale, batch)[0]
+    length = family.text_length(pipe.components)  # T5's prompt length, as sample.py gives it
+    return {**family.guidance_kwargs(getattr(pipe, family.DENOISER).config, scale, batch)[0],
+            **({"max_sequence_length": length} if length else {})}
 
 
 def unpack_latents(pipe, latents, height, width):

@@ -23,10 +23,12 @@ def digit_prompts(per_digit, style=False):
 
 @torch.no_grad()
 def generate(pipe, family, prompts, guidance_scale, num_inference_steps, seed=0, batch_size=100, lora_scale=None):
-    """-> images [N, 3, H, W] in [0, 1] at the family's sample size and guidance (common/families/); image i from
-    torch.Generator().manual_seed(seed + i)."""
+    """-> images [N, 3, H, W] in [0, 1] at the family's sample size, guidance and T5 length (common/families/), as
+    sample.py draws; image i from torch.Generator().manual_seed(seed + i)."""
     out = []
     kwargs = {family.LORA_SCALE_ARGUMENT: {"scale": lora_scale}} if lora_scale is not None else {}
+    if family.text_length(pipe.components):
+        kwargs["max_sequence_length"] = family.text_length(pipe.components)
     height, width = family.sample_size(pipe)
     for start in range(0, len(prompts), batch_size):
         chunk = prompts[start:start + batch_size]

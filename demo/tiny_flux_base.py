@@ -30,6 +30,7 @@ TRANSFORMER_CONFIG = dict(patch_size=1, in_channels=16, out_channels=None, num_l
                           pooled_projection_dim=32, guidance_embeds=False, axes_dims_rope=(8, 12, 12))
 T5_CONFIG = dict(d_model=64, d_ff=128, d_kv=16, num_heads=4, num_layers=2, feed_forward_proj="gated-gelu",
                  relative_attention_num_buckets=32, relative_attention_max_distance=128)
+MAX_SEQUENCE_LENGTH = 16  # T5 tokens: every caption of the digits fits (about 10)
 # FLUX.1's scheduler: training sigmas unshifted, sampling shifted by the image's token count
 SCHEDULER_CONFIG = dict(num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=True, base_shift=0.5,
                         max_shift=1.15, base_image_seq_len=256, max_image_seq_len=4096)
@@ -67,7 +68,7 @@ def init(args):
     torch.manual_seed(args.seed)
     vae = AutoencoderKL.from_pretrained(args.sd_base, subfolder="vae")
     vae.register_to_config(shift_factor=0.0)  # FluxPipeline adds it when decoding
-    tokenizer = word_t5_tokenizer()
+    tokenizer = word_t5_tokenizer(model_max_length=MAX_SEQUENCE_LENGTH)  # what sample.py and the trainers default to
     t5 = T5EncoderModel(T5Config(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
                                  eos_token_id=tokenizer.eos_token_id, decoder_start_token_id=tokenizer.pad_token_id,
                                  **T5_CONFIG))

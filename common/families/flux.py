@@ -38,6 +38,17 @@ NATIVE_SIZE_FROM = "VAE"  # whose config's sample_size is the native training si
 RESOLUTION_FACTOR = "the VAE's downsampling factor times 2 (Flux packs 2 x 2 latents)"
 
 
+def text_length(components, requested=None, training=False):
+    """T5's prompt length: the requested one, else the default (training: diffusers' script's; sampling: the
+    pipeline's, 512), capped by the T5 tokenizer's model_max_length (a base trained on short prompts says so
+    there, as the tiny digits base does)."""
+    if requested:
+        return requested
+    tokenizer = components.get("tokenizer_2")
+    limit = getattr(tokenizer, "model_max_length", None) or 512
+    return min(MAX_SEQUENCE_LENGTH if training else 512, limit)
+
+
 def native_resolution(configs):
     """Its VAE's sample_size (1024 for Flux.1; FluxPipeline itself always defaults to 128 latents)."""
     return vae_sample_size(configs["vae"])

@@ -30,6 +30,11 @@ LORA_SCALE_ARGUMENT = "cross_attention_kwargs"  # the pipeline call's argument t
 PIPELINE_EXTRAS = {"safety_checker": None, "feature_extractor": None, "requires_safety_checker": False}
 
 
+def text_length(components, requested=None, training=False):
+    """No T5: CLIP's 77 tokens."""
+    return None
+
+
 def native_resolution(configs):
     """The base's own image size: its VAE's sample_size (512 for SD 1.5), or None."""
     return vae_sample_size(configs["vae"])

@@ -41,6 +41,17 @@ NATIVE_SIZE_FROM = "transformer"  # whose config's sample_size is the native tra
 RESOLUTION_FACTOR = "the VAE's downsampling factor times the transformer's patch size"
 
 
+def text_length(components, requested=None, training=False):
+    """T5's prompt length: the requested one, else the default (training: diffusers' script's; sampling: the
+    pipeline's, 256), capped by the T5 tokenizer's model_max_length (a base trained on short prompts says so
+    there, as the tiny digits base does)."""
+    if requested:
+        return requested
+    tokenizer = components.get("tokenizer_3")
+    limit = getattr(tokenizer, "model_max_length", None) or 256
+    return min(MAX_SEQUENCE_LENGTH if training else 256, limit)
+
+
 def native_resolution(configs):
     """The transformer's sample_size in pixels (1024 for SD3 medium), what the pipeline draws by default."""
     size = configs["transformer"].get("sample_size")

@@ -33,6 +33,11 @@ LORA_SCALE_ARGUMENT = "cross_attention_kwargs"  # the pipeline call's argument t
 PIPELINE_EXTRAS = {}
 
 
+def text_length(components, requested=None, training=False):
+    """No T5: CLIP's 77 tokens."""
+    return None
+
+
 def native_resolution(configs):
     """Its VAE's sample_size (1024 for SDXL 1.0)."""
     return vae_sample_size(configs["vae"])
