@@ -39,7 +39,7 @@ from common.args import (
     positive_int,
     probability,
 )
-from common.checkpoints import resolve_resume
+from common.checkpoints import agreed_checkpoint, detect_shared_output_dir, resolve_resume
 from common.cli import UserError, first_line, quiet_loading_bars, run
 from common.diffusion import (
     DEFAULT_GUIDANCE_SCALE,
@@ -146,6 +146,8 @@ def main(args):
                          process_group_kwargs(args.ddp_timeout)],  # how long the others wait for the main process
     )
     match_deepspeed_config(accelerator, args.gradient_accumulation_steps, args.max_grad_norm)
+    detect_shared_output_dir(accelerator, args.output_dir)  # or each machine's own: then a checkpoint copy on each
+    args.resume_from_checkpoint = agreed_checkpoint(accelerator, args.resume_from_checkpoint, args.output_dir)
     check_fsdp_run(accelerator, args)  # FSDP where accelerate does not apply it, or flags it cannot run
     logger = get_logger(__name__, log_level="INFO")
     set_seed(args.seed)

@@ -81,10 +81,27 @@ def launch_nodes(script, *args, config="cpu_multi_node.yaml", timeout=600, node_
             results.append(subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr))
     finally:
         for _, proc in procs:
-            if proc.poll() is None:  # the launcher and the training processes it started
-                os.killpg(proc.pid, signal.SIGKILL)
+            if proc.poll() is None:  # the launcher and the training processes it started (each in its own session)
+                kill_tree(proc.pid)
                 proc.communicate()
     return results
+
+
+def kill_tree(pid):
+    """SIGKILL a process and every process it started: torchrun starts each worker in a session of its own, out of
+    reach of a kill of the launcher's process group, and a worker left alive keeps the launcher's pipes open."""
+    import psutil  # (an accelerate requirement)
+
+    try:
+        tree = psutil.Process(pid)
+        procs = [tree, *tree.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return
+    for proc in procs:
+        try:
+            proc.kill()
+        except psutil.NoSuchProcess:
+            pass
 
 
 def run_script(script, *args, cwd=ROOT, env=None, timeout=600):

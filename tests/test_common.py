@@ -240,7 +240,8 @@ def test_step_accounting():
 
 class _FakeAccelerator:
     """Stands in for one process: save_state writes a file, like accelerate's does."""
-    is_main_process = True
+    is_main_process = is_local_main_process = True
+    project_configuration = Namespace(save_on_each_node=False)
 
     def wait_for_everyone(self):
         pass
