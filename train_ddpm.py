@@ -127,7 +127,7 @@ def main(args):
     from tqdm.auto import tqdm
 
     from common.checkpoints import checkpoint_step, load_checkpoint, register_state_hooks, save_checkpoint
-    from common.distributed import match_deepspeed_config, process_group_kwargs
+    from common.distributed import check_same_data, match_deepspeed_config, process_group_kwargs
     from common.fsdp import check_fsdp_run, clip_grad_norm
     from common.optimizers import build_optimizer
     from common.preemption import PreemptionGuard
@@ -182,6 +182,7 @@ def main(args):
         train_data, batch_size=args.train_batch_size, shuffle=True, num_workers=args.dataloader_num_workers,
         collate_fn=collate_batch, generator=torch.Generator().manual_seed(args.seed))  # own RNG: the global one stays
     # </domain>
+    check_same_data(accelerator, training_images=len(train_data), batches=len(train_dataloader))  # (machines' copies)
 
     # 3. Model: a UNet2DModel from a config, from a pretrained UNet/pipeline, or the small default; the noise schedule.
     # <domain: model>

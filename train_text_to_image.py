@@ -124,7 +124,7 @@ def main(args):
     from tqdm.auto import tqdm
 
     from common.checkpoints import checkpoint_step, load_checkpoint, register_state_hooks, save_checkpoint
-    from common.distributed import match_deepspeed_config, process_group_kwargs
+    from common.distributed import check_same_data, match_deepspeed_config, process_group_kwargs
     from common.fsdp import check_fsdp_run, clip_grad_norm
     from common.optimizers import build_optimizer
     from common.preemption import PreemptionGuard
@@ -269,6 +269,8 @@ def main(args):
     train_dataloader = torch.utils.data.DataLoader(train_data, num_workers=args.dataloader_num_workers,
                                                    collate_fn=collate_batch, **loader_batches)
     # </domain>
+    check_same_data(accelerator, training_images=len(train_data), batches=len(train_dataloader),  # (machines' copies)
+                    held_out_images=0 if held_out is None else len(held_out))
 
     # 4. Optimizer on the UNet; schedule counted in optimizer steps.
     # <domain: parameter groups>

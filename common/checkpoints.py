@@ -210,33 +210,42 @@ def detect_shared_output_dir(accelerator, output_dir):
                 os.rmdir(folder)
             except OSError:
                 break
-    everyone = list(range(accelerator.num_processes))
-    if all(seen == everyone for _, _, seen, _ in views):
+    if folder_sharing(views) == "shared":
         accelerator.project_configuration.save_on_each_node = False
         return True
-    machines = {}
-    for rank_, machine_, _, _ in views:
-        machines.setdefault(machine_, []).append(rank_)
-    odd = [(r, m, s, d) for r, m, s, d in views if s != machines[m]]
-    if odd:
-        r, m, s, d = odd[0]
-        raise UserError(f"--output_dir: process {r} sees the files of processes {_ranks(s)} in '{d}', but the "
-                        f"processes of its machine are {_ranks(machines[m])}: give every machine one folder on a "
-                        "filesystem all of them share, or each machine a folder on its own disk (the same folder for "
-                        "all processes of a machine)")
+    machines = len({machine for _, machine, _, _ in views})
     kind = {DistributedType.FSDP: "FSDP", DistributedType.DEEPSPEED: "DeepSpeed"}.get(accelerator.distributed_type)
     if kind:
-        raise UserError(f"--output_dir '{output_dir}' is not on a filesystem all {len(machines)} machines share "
+        raise UserError(f"--output_dir '{output_dir}' is not on a filesystem all {machines} machines share "
                         f"(each sees only its own folder): {kind} writes each checkpoint in shards, one per process, "
                         "and resumes only where every process reads them all; give an --output_dir on a shared "
                         "filesystem (NFS, Lustre, ...), or train with DDP (accelerate_configs/multi_node.yaml)")
     accelerator.project_configuration.save_on_each_node = True
     if accelerator.is_main_process:
-        logger.warning(f"--output_dir '{output_dir}' is not on a filesystem the {len(machines)} machines share "
+        logger.warning(f"--output_dir '{output_dir}' is not on a filesystem the {machines} machines share "
                        "(each sees only its own folder): every machine keeps a complete copy of each checkpoint in "
                        "its own --output_dir, to resume from; the trained model, samples, logs and all_results.json "
                        "are written on the main machine only")
     return False
+
+
+def folder_sharing(views):
+    """views: [(process index, index of its machine's first process, [the processes whose files it sees], its
+    folder)] of every process -> "shared" (every process sees every file) or "per machine" (each sees exactly its own
+    machine's), else a UserError (detect_shared_output_dir)."""
+    everyone = [rank for rank, _, _, _ in views]
+    if all(seen == everyone for _, _, seen, _ in views):
+        return "shared"
+    machines = {}
+    for rank, machine, _, _ in views:
+        machines.setdefault(machine, []).append(rank)
+    for rank, machine, seen, folder in views:
+        if seen != machines[machine]:
+            raise UserError(f"--output_dir: process {rank} sees the files of processes {_ranks(seen)} in '{folder}', "
+                            f"but the processes of its machine are {_ranks(machines[machine])}: give every machine "
+                            "one folder on a filesystem all of them share, or each machine a folder on its own disk "
+                            "(the same folder for all processes of a machine)")
+    return "per machine"
 
 
 def _up_to(folder, top):

@@ -1,5 +1,5 @@
 """What several processes need beyond accelerate's defaults: the process group's timeout, DeepSpeed's settings from
-the flags, and a value that the main process alone can compute.
+the flags, a value that the main process alone can compute, and a check that every process reads the same data.
 
 The timeout (--ddp_timeout): how long a process waits for the others in a collective. The main process validates,
 samples and saves alone while the others wait in `accelerator.wait_for_everyone()` (and in `main_process_first()`
@@ -52,3 +52,23 @@ def from_main_process(accelerator, compute):
     from accelerate.utils import broadcast_object_list
 
     return broadcast_object_list([value])[0]
+
+
+def check_same_data(accelerator, **counts):
+    """Every process counts the same: counts {what: number} such as the training images and the batches of an epoch.
+    Machines that each read their own copy of the data may not: a copy that differs, or a data flag given on one
+    machine only, gives their processes other step counts, and the run waits forever at the first collective that
+    one of them skips. One line on every process instead."""
+    if accelerator.num_processes == 1:
+        return
+    from accelerate.utils import gather_object
+
+    from .cli import UserError
+
+    views = gather_object([counts])
+    for rank, other in enumerate(views):
+        if other != views[0]:
+            diffs = [f"{views[0][key]} {key.replace('_', ' ')} on process 0, {other[key]} on process {rank}"
+                     for key in counts if other[key] != views[0][key]]
+            raise UserError(f"the processes do not read the same data ({'; '.join(diffs)}): every machine needs the "
+                            "same copy of the data and the same data flags")
