@@ -92,7 +92,7 @@ def main(args):
     from tqdm.auto import tqdm
 
     from common.checkpoints import checkpoint_step, load_checkpoint, register_state_hooks, save_checkpoint
-    from common.distributed import check_same_data, from_main_process, match_deepspeed_config, process_group_kwargs
+    from common.distributed import check_same_data, match_deepspeed_config, process_group_kwargs
     from common.fsdp import check_fsdp_run, clip_grad_norm
     from common.optimizers import build_optimizer
     from common.preemption import PreemptionGuard
@@ -218,9 +218,9 @@ def main(args):
             data, batch_size=args.eval_batch_size, num_workers=args.dataloader_num_workers, collate_fn=collate_batch)
         for data in (eval_data, test_data)]
     trained = {"model": model}  # what trains, by checkpoint subfolder
-    # </domain>
     check_same_data(accelerator, training_images=len(train_data), batches=len(train_dataloader),  # (machines' copies)
                     validation_images=len(eval_data), test_images=0 if test_data is None else len(test_data))
+    # </domain>
 
     # 4. Optimizer on per-module parameter groups; warm-up -> cosine counted in optimizer steps.
     # <domain: parameter groups>
@@ -359,6 +359,7 @@ def main(args):
         # 9. Save: the final model in from_pretrained form, test-split metrics, a model card and the run summary.
         accelerator.wait_for_everyone()
         # <domain: the final model, its test-split metrics and its model card>
+        from common.distributed import from_main_process
         from common.fsdp import load_full_weights
 
         save_model(accelerator, model, processor, tokenizer, args.output_dir)

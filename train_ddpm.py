@@ -181,8 +181,8 @@ def main(args):
     train_dataloader = torch.utils.data.DataLoader(
         train_data, batch_size=args.train_batch_size, shuffle=True, num_workers=args.dataloader_num_workers,
         collate_fn=collate_batch, generator=torch.Generator().manual_seed(args.seed))  # own RNG: the global one stays
-    # </domain>
     check_same_data(accelerator, training_images=len(train_data), batches=len(train_dataloader))  # (machines' copies)
+    # </domain>
 
     # 3. Model: a UNet2DModel from a config, from a pretrained UNet/pipeline, or the small default; the noise schedule.
     # <domain: model>

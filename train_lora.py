@@ -374,9 +374,9 @@ def main(args):
                         text_cached=prompt_embeds is not None)
     train_dataloader = torch.utils.data.DataLoader(train_data, num_workers=args.dataloader_num_workers,
                                                    collate_fn=collate_batch, **loader_batches)
-    # </domain>
     check_same_data(accelerator, training_images=len(train_data), batches=len(train_dataloader),  # (machines' copies)
                     held_out_images=0 if held_out is None else len(held_out))
+    # </domain>
 
     # 4. Optimizer on the LoRA weights (the text encoder's at its own LR); schedule counted in optimizer steps.
     # <domain: parameter groups>
