@@ -1,7 +1,9 @@
 """Several machines, tried on one: two `accelerate launch` of one CPU process each (machine_rank 0 and 1) meet over
-127.0.0.1 (accelerate_configs/cpu_multi_node.yaml: static rendezvous, gloo), as on two real machines that share the
-output folder's disk. Each training script finishes on both; a checkpoint of two machines resumes on one machine of
-two processes (cpu_2proc.yaml) bitwise as if never stopped; a machine that never comes is one error line."""
+127.0.0.1 (accelerate_configs/cpu_multi_node.yaml: static rendezvous, gloo). With a folder per machine, as on machines
+that share no disk, each training script finishes, keeps a copy of every checkpoint on each machine and resumes from
+them bitwise as if never stopped; a machine without a checkpoint, or with other data, is one error line. With one
+folder on a disk both share, a checkpoint of two machines resumes on one machine of two processes (cpu_2proc.yaml)
+bitwise as if never stopped; a machine that never comes is one error line."""
 import json
 import shutil
 import subprocess
@@ -58,6 +60,33 @@ def assert_two_machines_ran(nodes, out, weights):
     assert sorted(p.name for p in (out / "checkpoint-2").glob("random_states_*")) == [
         "random_states_0.pkl", "random_states_1.pkl"]
     assert "saved to" in nodes[0].stderr and "saved to" not in nodes[1].stderr
+    assert "not on a filesystem" not in nodes[0].stderr  # found shared: the main process wrote everything
+
+
+def own_disks(disks):
+    """node_args giving each machine its own output folder, as on machines that share no disk."""
+    return {rank: ["--output_dir", disk] for rank, disk in enumerate(disks)}
+
+
+def assert_a_copy_on_each_disk(nodes, disks, steps, weights):
+    """Each machine's folder holds a complete copy of every checkpoint, with the RNG states of its own processes;
+    the trained model, results and logs are on the main machine's disk only."""
+    assert_both_finished(nodes)
+    assert "not on a filesystem the 2 machines share" in nodes[0].stderr
+    results = read_results(disks[0])
+    assert results["num_processes"] == 2 and results["global_step"] == 4
+    assert (disks[0] / weights).is_file() and (disks[0] / "logs").is_dir()
+    assert not (disks[1] / weights).exists() and not (disks[1] / "logs").exists()
+    assert not (disks[1] / "all_results.json").exists()
+    for rank, disk in enumerate(disks):
+        assert sorted(p.name for p in disk.glob("checkpoint-*")) == [f"checkpoint-{s}" for s in steps], rank
+        assert not list(disk.glob(".shared-folder-check*"))  # the check's own files, removed
+    for step in steps:
+        main, other = [{str(p.relative_to(folder)) for p in folder.rglob("*")}
+                       for folder in (disk / f"checkpoint-{step}" for disk in disks)]
+        assert {f for f in main if "random_states" in f} == {"random_states_0.pkl"}
+        assert {f for f in other if "random_states" in f} == {"random_states_1.pkl"}
+        assert main - {"random_states_0.pkl"} == other - {"random_states_1.pkl"}, step
 
 
 # What else each script's two-process run checks (the two machines are its two processes: DDP over gloo as with
@@ -121,6 +150,40 @@ def test_two_machines_without_a_shared_disk_finish_and_resume_exactly(script, di
             assert (disk / "checkpoint-2" / "unet_ema" / "config.json").is_file()
 
 
+def test_the_classifier_without_a_shared_disk_evaluates_its_best_model_and_resumes_exactly(digits, tiny_sd, tmp_path):
+    """Each machine its own output folder (no shared disk). The run's end reads best_model/ back: only the main
+    machine's disk holds it (the main process sends it to the others). `latest` resumes every process from the
+    newest checkpoint all machines hold (here the main machine lost checkpoint-4), each from its own copy, and the
+    resumed run ends bitwise as the first one; a machine that holds no checkpoint at all is one line, not a run from
+    step 0 beside the others' resumed one."""
+    script, weights = "train_classifier.py", RUNS["train_classifier.py"][1]
+    disks = [tmp_path / "machine0", tmp_path / "machine1"]
+    args = run_args(script, digits, tiny_sd, disks[0])
+    nodes = launch_nodes(script, *args, node_args=own_disks(disks), timeout=300)
+    assert_a_copy_on_each_disk(nodes, disks, [2, 4], weights)
+    first = read_results(disks[0])
+    assert first["best_model_test_accuracy"] is not None and (disks[0] / "best_model").is_dir()
+    reference, trained = logged_losses(disks[0]), load_file(disks[0] / weights)
+
+    shutil.rmtree(disks[0] / "checkpoint-4")  # a save cut short on the main machine: checkpoint-2 is everywhere
+    nodes = launch_nodes(script, *args, "--resume_from_checkpoint", "latest", node_args=own_disks(disks), timeout=300)
+    assert_a_copy_on_each_disk(nodes, disks, [2, 4], weights)
+    assert "resuming from checkpoint-2, the newest checkpoint every process finds" in nodes[0].stderr
+    after = logged_losses(disks[0])
+    assert [after[s] for s in (3, 4)] == [reference[s] for s in (3, 4)]
+    resumed = load_file(disks[0] / weights)
+    assert not [k for k in trained if not torch.equal(trained[k], resumed[k])]
+    assert read_results(disks[0])["best_model_test_accuracy"] == first["best_model_test_accuracy"]
+
+    for checkpoint in disks[1].glob("checkpoint-*"):  # a machine whose disk was wiped
+        shutil.rmtree(checkpoint)
+    nodes = launch_nodes(script, *args, "--resume_from_checkpoint", "latest", node_args=own_disks(disks), timeout=300,
+                         launcher="common")  # as make runs it: the script's error line is the last word
+    for node in nodes:  # every machine says it
+        assert_one_line_error(node, "--resume_from_checkpoint latest: no checkpoint is in every machine's",
+                              f"process 1 finds none in '{disks[1]}'", "copy checkpoint-4 into each machine's")
+
+
 def test_a_two_machine_checkpoint_resumes_exactly_on_one_machine(digits, tiny_sd, tmp_path):
     """Stopped at checkpoint-2 of 4 and resumed with two processes on one machine, the run ends bitwise as the
     two-machine one did: the same losses after the checkpoint and the same weights (the machines computed what one
@@ -177,65 +240,3 @@ def test_a_machine_that_never_comes_is_one_line_not_a_hang(digits, tmp_path):
     assert (CONFIGS / "multi_node.yaml").read_text().count("--machine_rank") >= 2  # the commands for each machine
 
 
-
-def own_disks(disks):
-    """node_args giving each machine its own output folder, as on machines that share no disk."""
-    return {rank: ["--output_dir", disk] for rank, disk in enumerate(disks)}
-
-
-def assert_a_copy_on_each_disk(nodes, disks, steps, weights):
-    """Each machine's folder holds a complete copy of every checkpoint, with the RNG states of its own processes;
-    the trained model, results and logs are on the main machine's disk only."""
-    assert_both_finished(nodes)
-    assert "not on a filesystem the 2 machines share" in nodes[0].stderr
-    results = read_results(disks[0])
-    assert results["num_processes"] == 2 and results["global_step"] == 4
-    assert (disks[0] / weights).is_file() and (disks[0] / "logs").is_dir()
-    assert not (disks[1] / weights).exists() and not (disks[1] / "logs").exists()
-    assert not (disks[1] / "all_results.json").exists()
-    for rank, disk in enumerate(disks):
-        assert sorted(p.name for p in disk.glob("checkpoint-*")) == [f"checkpoint-{s}" for s in steps], rank
-        for step in steps:
-            files = {p.relative_to(disk / f"checkpoint-{step}") for p in (disk / f"checkpoint-{step}").rglob("*")}
-            assert sorted(p.name for p in files if p.name.startswith("random_states")) == [
-                f"random_states_{rank}.pkl"], (rank, files)
-            if rank:
-                reference = {p.relative_to(disks[0] / f"checkpoint-{step}")
-                             for p in (disks[0] / f"checkpoint-{step}").rglob("*")}
-                assert {str(p) for p in files} - {"random_states_1.pkl"} == {
-                    str(p) for p in reference} - {"random_states_0.pkl"}
-        assert not list(disk.glob(".shared-folder-check*"))
-
-
-def test_machines_without_a_shared_disk_finish_and_resume_exactly(digits, tiny_sd, tmp_path):
-    """Each machine its own output folder (no shared disk). The run's end reads best_model/ back: only the main
-    machine's disk holds it (the main process sends it to the others). `latest` resumes every process from the
-    newest checkpoint all machines hold (here the main machine lost checkpoint-4), each from its own copy, and the
-    resumed run ends bitwise as the first one; a machine that holds no checkpoint at all is one line, not a run from
-    step 0 beside the others' resumed one."""
-    script, weights = "train_classifier.py", RUNS["train_classifier.py"][1]
-    disks = [tmp_path / "machine0", tmp_path / "machine1"]
-    args = run_args(script, digits, tiny_sd, disks[0])
-    nodes = launch_nodes(script, *args, node_args=own_disks(disks), timeout=300)
-    assert_a_copy_on_each_disk(nodes, disks, [2, 4], weights)
-    first = read_results(disks[0])
-    assert first["best_model_test_accuracy"] is not None and (disks[0] / "best_model").is_dir()
-    reference, trained = logged_losses(disks[0]), load_file(disks[0] / weights)
-
-    shutil.rmtree(disks[0] / "checkpoint-4")  # a save cut short on the main machine: checkpoint-2 is everywhere
-    nodes = launch_nodes(script, *args, "--resume_from_checkpoint", "latest", node_args=own_disks(disks), timeout=300)
-    assert_a_copy_on_each_disk(nodes, disks, [2, 4], weights)
-    assert "resuming from checkpoint-2, the newest checkpoint every process finds" in nodes[0].stderr
-    after = logged_losses(disks[0])
-    assert [after[s] for s in (3, 4)] == [reference[s] for s in (3, 4)]
-    resumed = load_file(disks[0] / weights)
-    assert not [k for k in trained if not torch.equal(trained[k], resumed[k])]
-    assert read_results(disks[0])["best_model_test_accuracy"] == first["best_model_test_accuracy"]
-
-    for checkpoint in disks[1].glob("checkpoint-*"):  # a machine whose disk was wiped
-        shutil.rmtree(checkpoint)
-    nodes = launch_nodes(script, *args, "--resume_from_checkpoint", "latest", node_args=own_disks(disks), timeout=300,
-                         launcher="common")  # as make runs it: the script's error line is the last word
-    for node in nodes:  # every machine says it
-        assert_one_line_error(node, "--resume_from_checkpoint latest: no checkpoint is in every machine's",
-                              f"process 1 finds none in '{disks[1]}'", "copy checkpoint-4 into each machine's")
