@@ -37,7 +37,7 @@ from common.args import (
     make_parser,
     positive_int,
 )
-from common.checkpoints import read_checkpoint_info, resolve_resume
+from common.checkpoints import agreed_checkpoint, detect_shared_output_dir, read_checkpoint_info, resolve_resume
 from common.cli import UserError, first_line, quiet_loading_bars, run
 from common.optimizers import add_optimizer_args, check_optimizer_args
 from common.training import parse_lr_groups
@@ -92,7 +92,7 @@ def main(args):
     from tqdm.auto import tqdm
 
     from common.checkpoints import checkpoint_step, load_checkpoint, register_state_hooks, save_checkpoint
-    from common.distributed import match_deepspeed_config, process_group_kwargs
+    from common.distributed import check_same_data, match_deepspeed_config, process_group_kwargs
     from common.fsdp import check_fsdp_run, clip_grad_norm
     from common.optimizers import build_optimizer
     from common.preemption import PreemptionGuard
@@ -111,6 +111,8 @@ def main(args):
                          process_group_kwargs(args.ddp_timeout)],  # how long the others wait for the main process
     )
     match_deepspeed_config(accelerator, args.gradient_accumulation_steps, args.max_grad_norm)
+    detect_shared_output_dir(accelerator, args.output_dir)  # or each machine's own: then a checkpoint copy on each
+    args.resume_from_checkpoint = agreed_checkpoint(accelerator, args.resume_from_checkpoint, args.output_dir)
     check_fsdp_run(accelerator, args)  # FSDP where accelerate does not apply it, or flags it cannot run
     logger = get_logger(__name__, log_level="INFO")
     set_seed(args.seed)
@@ -216,6 +218,8 @@ def main(args):
             data, batch_size=args.eval_batch_size, num_workers=args.dataloader_num_workers, collate_fn=collate_batch)
         for data in (eval_data, test_data)]
     trained = {"model": model}  # what trains, by checkpoint subfolder
+    check_same_data(accelerator, training_images=len(train_data), batches=len(train_dataloader),  # (machines' copies)
+                    validation_images=len(eval_data), test_images=0 if test_data is None else len(test_data))
     # </domain>
 
     # 4. Optimizer on per-module parameter groups; warm-up -> cosine counted in optimizer steps.
@@ -355,6 +359,7 @@ def main(args):
         # 9. Save: the final model in from_pretrained form, test-split metrics, a model card and the run summary.
         accelerator.wait_for_everyone()
         # <domain: the final model, its test-split metrics and its model card>
+        from common.distributed import from_main_process
         from common.fsdp import load_full_weights
 
         save_model(accelerator, model, processor, tokenizer, args.output_dir)
@@ -362,9 +367,14 @@ def main(args):
         test_metrics = {}
         if test_dataloader is not None:  # the final model, then best_model/ (its weights loaded into the model)
             test_metrics = evaluate(model, test_dataloader, forward, accelerator, prefix="test")
-            if os.path.isdir(best_dir):
-                best = type(unwrapped["model"]).from_pretrained(best_dir)
-                load_full_weights(accelerator, model, best.state_dict())
+
+            def read_best():  # on the main process, which wrote it: the other machines' disks may not hold it
+                if os.path.isdir(best_dir):
+                    return type(unwrapped["model"]).from_pretrained(best_dir).state_dict()
+
+            best = from_main_process(accelerator, read_best)  # (sent to every process)
+            if best is not None:
+                load_full_weights(accelerator, model, best)
                 test_metrics.update(evaluate(model, test_dataloader, forward, accelerator, prefix="best_model_test"))
         if accelerator.is_main_process:
             write_model_card(

@@ -39,7 +39,7 @@ from common.args import (
     positive_int,
     probability,
 )
-from common.checkpoints import resolve_resume
+from common.checkpoints import agreed_checkpoint, detect_shared_output_dir, resolve_resume
 from common.cli import UserError, first_line, quiet_loading_bars, run
 from common.diffusion import (
     DEFAULT_GUIDANCE_SCALE,
@@ -127,7 +127,7 @@ def main(args):
     from tqdm.auto import tqdm
 
     from common.checkpoints import checkpoint_step, load_checkpoint, register_state_hooks, save_checkpoint
-    from common.distributed import match_deepspeed_config, process_group_kwargs
+    from common.distributed import check_same_data, match_deepspeed_config, process_group_kwargs
     from common.fsdp import check_fsdp_run, clip_grad_norm
     from common.optimizers import build_optimizer
     from common.preemption import PreemptionGuard
@@ -146,6 +146,8 @@ def main(args):
                          process_group_kwargs(args.ddp_timeout)],  # how long the others wait for the main process
     )
     match_deepspeed_config(accelerator, args.gradient_accumulation_steps, args.max_grad_norm)
+    detect_shared_output_dir(accelerator, args.output_dir)  # or each machine's own: then a checkpoint copy on each
+    args.resume_from_checkpoint = agreed_checkpoint(accelerator, args.resume_from_checkpoint, args.output_dir)
     check_fsdp_run(accelerator, args)  # FSDP where accelerate does not apply it, or flags it cannot run
     logger = get_logger(__name__, log_level="INFO")
     set_seed(args.seed)
@@ -179,6 +181,7 @@ def main(args):
     train_dataloader = torch.utils.data.DataLoader(
         train_data, batch_size=args.train_batch_size, shuffle=True, num_workers=args.dataloader_num_workers,
         collate_fn=collate_batch, generator=torch.Generator().manual_seed(args.seed))  # own RNG: the global one stays
+    check_same_data(accelerator, training_images=len(train_data), batches=len(train_dataloader))  # (machines' copies)
     # </domain>
 
     # 3. Model: a UNet2DModel from a config, from a pretrained UNet/pipeline, or the small default; the noise schedule.

@@ -67,7 +67,7 @@ from common.args import (
 from common.base_models import SHIPPED_BASE, add_base_model_args, check_base_args, size_factor
 from common.buckets import check_bucket_resolution
 from common.caption_files import caption_folder_reader, check_caption_args
-from common.checkpoints import read_checkpoint_info, resolve_resume
+from common.checkpoints import agreed_checkpoint, detect_shared_output_dir, read_checkpoint_info, resolve_resume
 from common.cli import quiet_loading_bars, run
 from common.lora_adapters import check_lora_args, check_resumed_lora, comma_list
 from common.lora_files import LORA_EMA_STATE
@@ -142,7 +142,7 @@ def main(args):
     from tqdm.auto import tqdm
 
     from common.checkpoints import checkpoint_step, load_checkpoint, register_state_hooks, save_checkpoint
-    from common.distributed import match_deepspeed_config, process_group_kwargs
+    from common.distributed import check_same_data, match_deepspeed_config, process_group_kwargs
     from common.fsdp import check_fsdp_run, clip_grad_norm
     from common.optimizers import build_optimizer
     from common.preemption import PreemptionGuard
@@ -161,6 +161,8 @@ def main(args):
                          process_group_kwargs(args.ddp_timeout)],  # how long the others wait for the main process
     )
     match_deepspeed_config(accelerator, args.gradient_accumulation_steps, args.max_grad_norm)
+    detect_shared_output_dir(accelerator, args.output_dir)  # or each machine's own: then a checkpoint copy on each
+    args.resume_from_checkpoint = agreed_checkpoint(accelerator, args.resume_from_checkpoint, args.output_dir)
     check_fsdp_run(accelerator, args)  # FSDP where accelerate does not apply it, or flags it cannot run
     logger = get_logger(__name__, log_level="INFO")
     set_seed(args.seed)
@@ -277,6 +279,8 @@ def main(args):
     offload_idle_models(logger, args, vae, list(text_encoders.values()), text_cached=condition.cache is not None)
     train_dataloader = torch.utils.data.DataLoader(train_data, num_workers=args.dataloader_num_workers,
                                                    collate_fn=collate_batch, **loader_batches)
+    check_same_data(accelerator, training_images=len(train_data), batches=len(train_dataloader),  # (machines' copies)
+                    held_out_images=0 if held_out is None else len(held_out))
     # </domain>
 
     # 4. Optimizer on the LoRA weights (the text encoder's at its own LR); schedule counted in optimizer steps.

@@ -18,8 +18,10 @@ class RecipeArgumentParser(argparse.ArgumentParser):
         raise UserError(message)
 
 
-def _is_rank_zero():
-    return os.environ.get("RANK", "0") == "0"
+def _is_first_of_its_machine():
+    """Local rank 0: each machine's launcher shows its own processes' output, so an error said there reaches the
+    user who watches that machine (a machine whose data or checkpoint differs says so on its own screen)."""
+    return os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0")) == "0"
 
 
 class _DropMessages(logging.Filter):
@@ -73,8 +75,8 @@ def run(main, parse_args, argv=None):
         if _distributed_error(err, r"timed out|timeout"):
             message, rank_one_too = _timeout_message(err, getattr(args, "ddp_timeout", None)), True
         elif _distributed_error(err, r"closed by peer|reset by peer|remote worker"):  # not this process's failure
-            print(f"process {os.environ.get('RANK', '?')} stopped: another process failed (its message is above)",
-                  file=sys.stderr, flush=True)
+            print(f"process {os.environ.get('RANK', '?')} stopped: another process failed (its message is above, "
+                  "or in its machine's output)", file=sys.stderr, flush=True)
             code = 1
         else:
             reason = write_error_reason(err)
@@ -128,9 +130,9 @@ def one_line(err, limit=300):
 
 
 def _say_error(message, rank_one_too=False):
-    """One line, not one per process; `rank_one_too`: for the errors the main process need not see (a wait for it
-    that timed out), rank 1 says it."""
-    if _is_rank_zero():
+    """One line per machine, not one per process; `rank_one_too`: for the errors the main process need not see (a
+    wait for it that timed out), rank 1 says it."""
+    if _is_first_of_its_machine():
         print(f"error: {message}", file=sys.stderr, flush=True)
     elif rank_one_too and os.environ.get("RANK") == "1":  # on a line of its own, not after the main one's progress bar
         print(f"\nerror: {message}", file=sys.stderr, flush=True)

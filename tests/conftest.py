@@ -60,7 +60,8 @@ def launch(script, *args, config="cpu.yaml", cwd=ROOT, env=None, timeout=900, ch
     return proc
 
 
-def launch_nodes(script, *args, config="cpu_multi_node.yaml", timeout=600, node_args=None, launcher="accelerate"):
+def launch_nodes(script, *args, config="cpu_multi_node.yaml", timeout=600, node_args=None, launcher="accelerate",
+                 env=None):
     """The same `accelerate launch` on two "machines" of this one (machine_rank 0 and 1, 127.0.0.1, one free port),
     started together; -> [CompletedProcess of machine 0, of machine 1]. `node_args`: {rank: extra script args};
     launcher "common": through `python -m common.launch`, as `make` runs it. Both are killed when one outlives
@@ -72,7 +73,7 @@ def launch_nodes(script, *args, config="cpu_multi_node.yaml", timeout=600, node_
                              launch_args=["--main_process_port", port, "--machine_rank", str(rank)])
         if launcher == "common":
             cmd[1:3] = ["-m", "common.launch"]
-        procs.append((cmd, subprocess.Popen(cmd, cwd=ROOT, env=offline_env(), stdout=subprocess.PIPE,
+        procs.append((cmd, subprocess.Popen(cmd, cwd=ROOT, env=env or offline_env(), stdout=subprocess.PIPE,
                                             stderr=subprocess.PIPE, text=True, start_new_session=True)))
     deadline, results = time.time() + timeout, []
     try:
@@ -81,10 +82,27 @@ def launch_nodes(script, *args, config="cpu_multi_node.yaml", timeout=600, node_
             results.append(subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr))
     finally:
         for _, proc in procs:
-            if proc.poll() is None:  # the launcher and the training processes it started
-                os.killpg(proc.pid, signal.SIGKILL)
+            if proc.poll() is None:  # the launcher and the training processes it started (each in its own session)
+                kill_tree(proc.pid)
                 proc.communicate()
     return results
+
+
+def kill_tree(pid):
+    """SIGKILL a process and every process it started: torchrun starts each worker in a session of its own, out of
+    reach of a kill of the launcher's process group, and a worker left alive keeps the launcher's pipes open."""
+    import psutil  # (an accelerate requirement)
+
+    try:
+        tree = psutil.Process(pid)
+        procs = [tree, *tree.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return
+    for proc in procs:
+        try:
+            proc.kill()
+        except psutil.NoSuchProcess:
+            pass
 
 
 def run_script(script, *args, cwd=ROOT, env=None, timeout=600):

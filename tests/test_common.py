@@ -11,7 +11,7 @@ import torch
 from conftest import CONFIGS
 from PIL import Image
 
-from common.checkpoints import list_checkpoints, resolve_resume, save_checkpoint
+from common.checkpoints import choose_resume_step, folder_sharing, list_checkpoints, resolve_resume, save_checkpoint
 from common.cli import UserError, first_line, one_line
 from common.image_data import (
     ImageDataset,
@@ -240,7 +240,8 @@ def test_step_accounting():
 
 class _FakeAccelerator:
     """Stands in for one process: save_state writes a file, like accelerate's does."""
-    is_main_process = True
+    is_main_process = is_local_main_process = True
+    project_configuration = Namespace(save_on_each_node=False)
 
     def wait_for_everyone(self):
         pass
@@ -323,6 +324,37 @@ def test_unreadable_accelerate_config(tmp_path):
     bad.write_text("- a list\n")
     assert "not an accelerate config" in check_accelerate_config(str(bad))
     assert "does not exist" in check_accelerate_config(str(tmp_path / "missing.yaml"))
+
+
+def test_machines_find_out_whether_they_share_the_output_folder():
+    # (process, its machine's first process, the processes whose files it sees, its folder): 2 machines x 2 processes
+    shared = [(r, r - r % 2, [0, 1, 2, 3], "/shared/out") for r in range(4)]
+    assert folder_sharing(shared) == "shared"
+    own = [(r, r - r % 2, [r - r % 2, r - r % 2 + 1], f"/local{r // 2}/out") for r in range(4)]
+    assert folder_sharing(own) == "per machine"
+    mixed = [(0, 0, [0, 1, 2], "/a"), (1, 0, [0, 1, 2], "/a"), (2, 2, [0, 1, 2], "/a"), (3, 2, [3], "/b")]
+    with pytest.raises(UserError, match=r"process 0 sees the files of processes 0, 1, 2 in '/a', but the processes "
+                                        r"of its machine are 0, 1: give every machine one folder"):
+        folder_sharing(mixed)
+
+
+def test_every_process_resumes_from_the_same_step():
+    views = [(0, [2, 4], "/a"), (1, [2, 4, 6], "/b")]  # (process, steps of the checkpoints it finds, its folder)
+    assert choose_resume_step("latest", views) == 4  # the newest that every machine holds
+    assert choose_resume_step("latest", [(0, [], "/a"), (1, [], "/b")]) is None  # a fresh start everywhere
+    with pytest.raises(UserError, match=r"latest: no checkpoint is in every machine's --output_dir \(process 1 finds "
+                                        r"none in '/b', process 0 finds checkpoint-4\): copy checkpoint-4 into"):
+        choose_resume_step("latest", [(0, [2, 4], "/a"), (1, [], "/b")])  # never step 0 beside a resumed machine
+    with pytest.raises(UserError, match="process 0 finds checkpoint-2 in '/a', process 1 finds checkpoint-4"):
+        choose_resume_step("latest", [(0, [2], "/a"), (1, [4], "/b")])
+    assert choose_resume_step("checkpoint-2", [(0, [2], "/a"), (1, [2], "/b")]) == 2
+    with pytest.raises(UserError, match="process 1 finds no checkpoint at 'checkpoint-2' \\(nor in its --output_dir "
+                                        "'/b'\\), other processes do"):
+        choose_resume_step("checkpoint-2", [(0, [2], "/a"), (1, [], "/b")])
+    with pytest.raises(UserError, match="no checkpoint at 'checkpoint-9'"):
+        choose_resume_step("checkpoint-9", [(0, [], "/a"), (1, [], "/b")])
+    with pytest.raises(UserError, match="is checkpoint-2 on some processes and checkpoint-4 on others"):
+        choose_resume_step("/ckpt", [(0, [2], "/a"), (1, [4], "/b")])
 
 
 def test_state_hooks_write_from_pretrained_folders_and_restore(tmp_path):

@@ -22,7 +22,17 @@ import shutil
 import subprocess
 
 import torch
-from conftest import ROOT, assert_one_line_error, launch, launch_command, logged_losses, offline_env, read_results
+from conftest import (
+    CONFIGS,
+    ROOT,
+    assert_one_line_error,
+    launch,
+    launch_command,
+    launch_nodes,
+    logged_losses,
+    offline_env,
+    read_results,
+)
 from safetensors.torch import load_file
 
 FSDP_DIR = ROOT / "tests" / "fsdp_cpu"
@@ -141,3 +151,23 @@ def test_an_fsdp_config_on_cpu_processes_is_one_line(digits, tmp_path):
     proc = subprocess.run(cmd, cwd=ROOT, env=offline_env(), capture_output=True, text=True, timeout=300)
     assert_one_line_error(proc, "asks for FSDP, but accelerate applies FSDP only on GPUs", "cpu_2proc.yaml")
     assert not (tmp_path / "out").exists()
+
+
+def test_fsdp_on_machines_without_a_shared_disk_is_one_line(digits, tmp_path):
+    """FSDP writes each checkpoint in shards, one per process, that resume only where every process reads them all:
+    two machines with a folder each stop at the start, every machine with one line, before anything is written."""
+    import yaml
+
+    config = yaml.safe_load(open(CONFIG))
+    multi_node = yaml.safe_load(open(CONFIGS / "cpu_multi_node.yaml"))
+    config.update({key: multi_node[key] for key in ("num_machines", "main_process_ip", "rdzv_backend", "same_network")})
+    (tmp_path / "fsdp_two_machines.yaml").write_text(yaml.safe_dump(config))
+    disks = [tmp_path / "machine0", tmp_path / "machine1"]
+    nodes = launch_nodes("train_classifier.py", "--train_data_dir", digits, "--max_train_steps", "1",
+                         config=tmp_path / "fsdp_two_machines.yaml", launcher="common", timeout=300,
+                         node_args={rank: ["--output_dir", disk] for rank, disk in enumerate(disks)},
+                         env=offline_env(PYTHONPATH=os.pathsep.join([str(ROOT), str(FSDP_DIR)])))
+    for node in nodes:
+        assert_one_line_error(node, "is not on a filesystem all 2 machines share", "FSDP writes each checkpoint in "
+                                    "shards", "give an --output_dir on a shared filesystem")
+    assert not disks[0].exists() and not disks[1].exists()

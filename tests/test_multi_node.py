@@ -1,7 +1,9 @@
 """Several machines, tried on one: two `accelerate launch` of one CPU process each (machine_rank 0 and 1) meet over
-127.0.0.1 (accelerate_configs/cpu_multi_node.yaml: static rendezvous, gloo), as on two real machines that share the
-output folder's disk. Each training script finishes on both; a checkpoint of two machines resumes on one machine of
-two processes (cpu_2proc.yaml) bitwise as if never stopped; a machine that never comes is one error line."""
+127.0.0.1 (accelerate_configs/cpu_multi_node.yaml: static rendezvous, gloo). With a folder per machine, as on machines
+that share no disk, each training script finishes, keeps a copy of every checkpoint on each machine and resumes from
+them bitwise as if never stopped; a machine without a checkpoint, or with other data, is one error line. With one
+folder on a disk both share, a checkpoint of two machines resumes on one machine of two processes (cpu_2proc.yaml)
+bitwise as if never stopped; a machine that never comes is one error line."""
 import json
 import shutil
 import subprocess
@@ -58,6 +60,33 @@ def assert_two_machines_ran(nodes, out, weights):
     assert sorted(p.name for p in (out / "checkpoint-2").glob("random_states_*")) == [
         "random_states_0.pkl", "random_states_1.pkl"]
     assert "saved to" in nodes[0].stderr and "saved to" not in nodes[1].stderr
+    assert "not on a filesystem" not in nodes[0].stderr  # found shared: the main process wrote everything
+
+
+def own_disks(disks):
+    """node_args giving each machine its own output folder, as on machines that share no disk."""
+    return {rank: ["--output_dir", disk] for rank, disk in enumerate(disks)}
+
+
+def assert_a_copy_on_each_disk(nodes, disks, steps, weights):
+    """Each machine's folder holds a complete copy of every checkpoint, with the RNG states of its own processes;
+    the trained model, results and logs are on the main machine's disk only."""
+    assert_both_finished(nodes)
+    assert "not on a filesystem the 2 machines share" in nodes[0].stderr
+    results = read_results(disks[0])
+    assert results["num_processes"] == 2 and results["global_step"] == 4
+    assert (disks[0] / weights).is_file() and (disks[0] / "logs").is_dir()
+    assert not (disks[1] / weights).exists() and not (disks[1] / "logs").exists()
+    assert not (disks[1] / "all_results.json").exists()
+    for rank, disk in enumerate(disks):
+        assert sorted(p.name for p in disk.glob("checkpoint-*")) == [f"checkpoint-{s}" for s in steps], rank
+        assert not list(disk.glob(".shared-folder-check*"))  # the check's own files, removed
+    for step in steps:
+        main, other = [{str(p.relative_to(folder)) for p in folder.rglob("*")}
+                       for folder in (disk / f"checkpoint-{step}" for disk in disks)]
+        assert {f for f in main if "random_states" in f} == {"random_states_0.pkl"}
+        assert {f for f in other if "random_states" in f} == {"random_states_1.pkl"}
+        assert main - {"random_states_0.pkl"} == other - {"random_states_1.pkl"}, step
 
 
 # What else each script's two-process run checks (the two machines are its two processes: DDP over gloo as with
@@ -70,17 +99,31 @@ EXTRA = {
 }
 
 
-# train_classifier.py: in the resume test below.
+# train_classifier.py: in the tests below.
 @pytest.mark.parametrize("script", ["train_ddpm.py", "train_lora.py", "train_text_to_image.py"])
-def test_two_machines_on_loopback(script, digits, tiny_sd, tmp_path):
-    out, extra = tmp_path / "out", list(EXTRA[script])
+def test_two_machines_without_a_shared_disk_finish_and_resume_exactly(script, digits, tiny_sd, tmp_path):
+    """Each machine its own output folder, as on machines that share no disk: a run of 4 steps, then `latest` from
+    checkpoint-2 (the newest checkpoint both machines hold: the other machine lost checkpoint-4), each machine from
+    its own copy; the resumed run ends bitwise as the first one."""
+    disks, extra, weights = [tmp_path / "machine0", tmp_path / "machine1"], list(EXTRA[script]), RUNS[script][1]
     if script == "train_text_to_image.py":  # a smaller UNet than the base's, trained from scratch
         config = json.loads((tiny_sd / "unet" / "config.json").read_text())
         (tmp_path / "unet.json").write_text(json.dumps({**config, "block_out_channels": [16, 32],
                                                         "norm_num_groups": 8}))
         extra += ["--unet_config", tmp_path / "unet.json"]
-    nodes = launch_nodes(script, *run_args(script, digits, tiny_sd, out), *extra, "--report_to", "none")
-    assert_two_machines_ran(nodes, out, RUNS[script][1])
+    args = [*run_args(script, digits, tiny_sd, disks[0]), *extra]
+    nodes = launch_nodes(script, *args, node_args=own_disks(disks), timeout=300)
+    assert_a_copy_on_each_disk(nodes, disks, [2, 4], weights)
+    reference, trained = logged_losses(disks[0]), load_file(disks[0] / weights)
+    shutil.rmtree(disks[1] / "checkpoint-4")
+    nodes = launch_nodes(script, *args, "--resume_from_checkpoint", "latest", node_args=own_disks(disks), timeout=300)
+    assert_a_copy_on_each_disk(nodes, disks, [2, 4], weights)
+    assert "resumed from" in nodes[0].stderr and "checkpoint-2 at step 2" in nodes[0].stderr
+    after, resumed = logged_losses(disks[0]), load_file(disks[0] / weights)
+    assert [after[s] for s in (3, 4)] == [reference[s] for s in (3, 4)]
+    assert not [k for k in trained if not torch.equal(trained[k], resumed[k])]
+
+    out = disks[0]  # what each script's run checks besides
     if script == "train_ddpm.py":
         from diffusers import DDPMPipeline
 
@@ -91,17 +134,54 @@ def test_two_machines_on_loopback(script, digits, tiny_sd, tmp_path):
     elif script == "train_lora.py":
         info = json.loads((out / "lora_info.json").read_text())
         assert info["use_dora"] and info["prediction_type"] == "v_prediction"
-        assert (out / "checkpoint-2" / "unet" / "adapter_model.safetensors").is_file()
+        for disk in disks:
+            assert (disk / "checkpoint-2" / "unet" / "adapter_model.safetensors").is_file()
+            assert json.loads((disk / "checkpoint-2" / "lora_info.json").read_text()) == info
         # the EMA of the LoRA weights (kept on the CPU) is what is exported, the trained weights in raw/
-        ema, exported = load_file(out / "checkpoint-4" / "lora_ema.safetensors"), load_file(out / RUNS[script][1])
-        raw = load_file(out / "raw" / RUNS[script][1])
+        ema, exported = load_file(out / "checkpoint-4" / "lora_ema.safetensors"), load_file(out / weights)
+        raw = load_file(out / "raw" / weights)
         ema = {k.replace(".default.weight", "").replace(".default", ""): v for k, v in ema.items()}  # peft's names
         assert ema.keys() == {k.removesuffix(".weight") for k in exported} and info["ema_weights"]
         assert all(torch.equal(v, ema[k.removesuffix(".weight")]) for k, v in exported.items())
         assert any(not torch.equal(exported[k], raw[k]) for k in raw)
     else:
         assert json.loads((out / "unet" / "config.json").read_text())["block_out_channels"] == [16, 32]
-        assert (out / "checkpoint-2" / "unet_ema" / "config.json").is_file()
+        for disk in disks:
+            assert (disk / "checkpoint-2" / "unet_ema" / "config.json").is_file()
+
+
+def test_the_classifier_without_a_shared_disk_evaluates_its_best_model_and_resumes_exactly(digits, tiny_sd, tmp_path):
+    """Each machine its own output folder (no shared disk). The run's end reads best_model/ back: only the main
+    machine's disk holds it (the main process sends it to the others). `latest` resumes every process from the
+    newest checkpoint all machines hold (here the main machine lost checkpoint-4), each from its own copy, and the
+    resumed run ends bitwise as the first one; a machine that holds no checkpoint at all is one line, not a run from
+    step 0 beside the others' resumed one."""
+    script, weights = "train_classifier.py", RUNS["train_classifier.py"][1]
+    disks = [tmp_path / "machine0", tmp_path / "machine1"]
+    args = run_args(script, digits, tiny_sd, disks[0])
+    nodes = launch_nodes(script, *args, node_args=own_disks(disks), timeout=300)
+    assert_a_copy_on_each_disk(nodes, disks, [2, 4], weights)
+    first = read_results(disks[0])
+    assert first["best_model_test_accuracy"] is not None and (disks[0] / "best_model").is_dir()
+    reference, trained = logged_losses(disks[0]), load_file(disks[0] / weights)
+
+    shutil.rmtree(disks[0] / "checkpoint-4")  # a save cut short on the main machine: checkpoint-2 is everywhere
+    nodes = launch_nodes(script, *args, "--resume_from_checkpoint", "latest", node_args=own_disks(disks), timeout=300)
+    assert_a_copy_on_each_disk(nodes, disks, [2, 4], weights)
+    assert "resuming from checkpoint-2, the newest checkpoint every process finds" in nodes[0].stderr
+    after = logged_losses(disks[0])
+    assert [after[s] for s in (3, 4)] == [reference[s] for s in (3, 4)]
+    resumed = load_file(disks[0] / weights)
+    assert not [k for k in trained if not torch.equal(trained[k], resumed[k])]
+    assert read_results(disks[0])["best_model_test_accuracy"] == first["best_model_test_accuracy"]
+
+    for checkpoint in disks[1].glob("checkpoint-*"):  # a machine whose disk was wiped
+        shutil.rmtree(checkpoint)
+    nodes = launch_nodes(script, *args, "--resume_from_checkpoint", "latest", node_args=own_disks(disks), timeout=300,
+                         launcher="common")  # as make runs it: the script's error line is the last word
+    for node in nodes:  # every machine says it
+        assert_one_line_error(node, "--resume_from_checkpoint latest: no checkpoint is in every machine's",
+                              f"process 1 finds none in '{disks[1]}'", "copy checkpoint-4 into each machine's")
 
 
 def test_a_two_machine_checkpoint_resumes_exactly_on_one_machine(digits, tiny_sd, tmp_path):
@@ -121,6 +201,19 @@ def test_a_two_machine_checkpoint_resumes_exactly_on_one_machine(digits, tiny_sd
     assert not [k for k in a if not (a[k] == b[k]).all()]
 
 
+def test_machines_whose_data_differ_stop_with_one_line_not_a_hang(digits, tiny_sd, tmp_path):
+    """Each machine reads its own copy of the data: a copy that differs (here a data flag given on one machine only)
+    would give the machines other step counts, and the run would wait forever where one of them skips a collective.
+    Every machine says what differs, on its own output."""
+    script = "train_ddpm.py"
+    nodes = launch_nodes(script, *run_args(script, digits, tiny_sd, tmp_path / "out"), timeout=300, launcher="common",
+                         node_args={1: ["--max_train_samples", "24"]})
+    for node in nodes:
+        assert_one_line_error(node, "the processes do not read the same data (32 training images on process 0, 24 "
+                                    "on process 1; 4 batches on process 0, 3 on process 1)")
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_machine_that_never_comes_is_one_line_not_a_hang(digits, tmp_path):
     """Through make (common/launch.py) the main machine waits --ddp_timeout seconds for the other, then says which
     command to start where; the other machine alone says it cannot reach the main one."""
@@ -128,6 +221,7 @@ def test_a_machine_that_never_comes_is_one_line_not_a_hang(digits, tmp_path):
     while other_port == port:
         other_port = free_port()
     make = ["make", "--no-print-directory", "-o", ".venv/.installed", "-o", "data/digits/train/metadata.jsonl",
+            "-o", "data/digits-red-ink/train/metadata.jsonl", "-o", "data/digits-captions/0",  # (the digits fixture)
             "train-classifier", "CONFIG=accelerate_configs/cpu_multi_node.yaml", f"OUTPUT={tmp_path / 'out'}",
             f"ARGS=--train_data_dir {digits} --ddp_timeout 3"]
     main, other = [subprocess.Popen(cmd, cwd=ROOT, env=offline_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -144,3 +238,5 @@ def test_a_machine_that_never_comes_is_one_line_not_a_hang(digits, tmp_path):
                           "--machine_rank 0")
     assert not (tmp_path / "out").exists()
     assert (CONFIGS / "multi_node.yaml").read_text().count("--machine_rank") >= 2  # the commands for each machine
+
+
