@@ -129,7 +129,7 @@ def save_lora_weights(folder, family, lora_models, info, metadata=None):
     states = {name: get_peft_model_state_dict(model) for name, model in lora_models.items()}
     configs = {name: model.peft_config["default"].to_dict() for name, model in lora_models.items()}
     # the UI file first: a LoRA it cannot hold is one line before anything is written
-    ui_weights = family.ui_lora(states, info["lora_alpha"], lora_models[family.DENOISER].config)
+    ui_weights = family.ui_lora(states, configs[family.DENOISER]["lora_alpha"], lora_models[family.DENOISER].config)
     text_layers = {f"{name}_lora_layers": {text_encoder_key(key): value for key, value in
                                            convert_state_dict_to_diffusers(state).items()}
                    for name, state in states.items() if name != family.DENOISER}

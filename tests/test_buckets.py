@@ -193,7 +193,9 @@ def test_held_out_loss_is_deterministic_for_fixed_weights_and_sees_a_change(mixe
     from accelerate import Accelerator
     from diffusers import AutoencoderKL, DDPMScheduler, UNet2DConditionModel
 
+    from common.families import sd
     from common.image_data import ImageDataset
+    from common.objectives import DDPM
     from common.validation_loss import HeldOutLoss
 
     path = str(tiny_sd)
@@ -208,14 +210,22 @@ def test_held_out_loss_is_deterministic_for_fixed_weights_and_sees_a_change(mixe
         with torch.no_grad():
             return vae.encode(pixels).latent_dist.parameters
 
-    loss = HeldOutLoss(held_out, encode, vae.config, [0, 1, 0, 1, 0], 1000, Accelerator(cpu=True), 0, 3)
-    first = loss(unet, lambda ids: embeds[ids], scheduler)
-    assert loss(unet, lambda ids: embeds[ids], scheduler) == first
-    again = HeldOutLoss(held_out, encode, vae.config, [0, 1, 0, 1, 0], 1000, Accelerator(cpu=True), 0, 3)
-    assert again(unet, lambda ids: embeds[ids], scheduler) == first  # fixed noise and timesteps
+    objective = DDPM(scheduler)
+
+    def predict(noisy, timesteps, cond):
+        return sd.denoise(unet, noisy, timesteps, cond)
+
+    def embed(ids):
+        return {"prompt_embeds": embeds[ids]}
+
+    loss = HeldOutLoss(held_out, encode, vae.config, [0, 1, 0, 1, 0], objective, Accelerator(cpu=True), 0, 3)
+    first = loss(unet, predict, embed)
+    assert loss(unet, predict, embed) == first
+    again = HeldOutLoss(held_out, encode, vae.config, [0, 1, 0, 1, 0], objective, Accelerator(cpu=True), 0, 3)
+    assert again(unet, predict, embed) == first  # fixed noise and timesteps
     with torch.no_grad():
         unet.conv_out.bias += 0.1
-    assert loss(unet, lambda ids: embeds[ids], scheduler) != first
+    assert loss(unet, predict, embed) != first
 
 
 # --- real runs
