@@ -149,17 +149,22 @@ train-text-to-image: data
 	  --use_ema --ema_max_decay 0.999 --learning_rate 1e-3 --train_batch_size 16 --max_train_steps 300 \
 	  --validation_prompt "a handwritten digit seven, red ink on paper" --validation_steps 100 $(ARGS)
 
-# The demo: a style LoRA (red ink on paper, a style the base never saw) on the shipped tiny base, LoRA on the
-# attention, feed-forward and convolution layers (on the 1 M-parameter UNet, attention alone learns the colours but
-# loses the digits); then demo/style_report.py measures it and draws it side by side with the base. With a base of
-# your own in ARGS (--pretrained_model_name_or_path ...), none of the demo's flags and a sample grid instead.
+# The demo: a style LoRA (red ink on paper, a style the base never saw) on a shipped tiny base, then
+# demo/style_report.py measures it and draws it side by side with the base. BASE= which one: assets/tiny-flux-digits
+# (the default: Flux.1's architecture, LoRA on its default targets, 600 steps) or assets/tiny-sd-digits (a UNet: LoRA
+# on the attention, feed-forward and convolution layers too, 400 steps; on the 1 M-parameter UNet, attention alone
+# learns the colours but loses the digits). With a base of your own in ARGS (--pretrained_model_name_or_path ...),
+# none of the demo's flags and a sample grid instead.
 STYLE_PROMPT := "a handwritten digit seven, red ink on paper"
+BASE ?= assets/tiny-flux-digits
 DEMO_LORA = $(if $(findstring --pretrained_model_name_or_path,$(ARGS)),,yes)
-LORA_TARGETS := to_k,to_q,to_v,to_out.0,proj_in,proj_out,ff.net.0.proj,ff.net.2,conv1,conv2,conv_shortcut,conv_in,$\
+SD_LORA_TARGETS := to_k,to_q,to_v,to_out.0,proj_in,proj_out,ff.net.0.proj,ff.net.2,conv1,conv2,conv_shortcut,conv_in,$\
   conv_out,time_emb_proj
-LORA_DEMO = $(if $(DEMO_LORA),--train_data_dir data/digits-red-ink --learning_rate 3e-3 --train_batch_size 16 \
-  --max_train_steps 400 --caption_dropout_prob 0.1 --target_modules $(LORA_TARGETS) --validation_prompt $(STYLE_PROMPT) \
-  --validation_split 0.05)
+BASE_LORA = $(if $(findstring tiny-sd-digits,$(BASE)),--max_train_steps 400 --target_modules $(SD_LORA_TARGETS),$\
+  --max_train_steps 600)
+LORA_DEMO = $(if $(DEMO_LORA),--pretrained_model_name_or_path $(BASE) --train_data_dir data/digits-red-ink \
+  --learning_rate 3e-3 --train_batch_size 16 $(BASE_LORA) --caption_dropout_prob 0.1 --validation_prompt \
+  $(STYLE_PROMPT) --validation_split 0.05)
 LORA_PROMPTS := --prompt "a handwritten digit zero, red ink on paper" --prompt "a handwritten digit three, red ink on \
   paper" --prompt "a handwritten digit seven, red ink on paper"
 train-lora: data

@@ -11,15 +11,16 @@ from .cli import UserError, first_line
 
 TINY_HINT = "`make tiny-sd` writes an offline tiny one to models/tiny-sd"
 SHIPPED_BASE = "assets/tiny-sd-digits"  # the tiny base trained on the digits, in the repository
+SHIPPED_BASES = {SHIPPED_BASE: "make tiny-sd-base", "assets/tiny-flux-digits": "make tiny-flux-base"}  # and builds
 CHECKSUMS = "checksums.sha256"  # `sha256sum -c` format: a shipped folder's files, checked before each use
 
 
 def check_pipeline_folder(path, flag, family=None, optional=()):
     """A local folder must hold a pipeline of `family` (every component folder it loads, but `optional`) and match
     its checksums.sha256, if it has one; anything else must look like a hub id (owner/name)."""
-    if os.path.normpath(path) == SHIPPED_BASE and not os.path.isdir(path):
-        raise UserError(f"{flag} '{path}' (the shipped tiny base) is missing: restore it (`git checkout -- {path}`) "
-                        "or rebuild it (`make tiny-sd-base`)")
+    if os.path.normpath(path) in SHIPPED_BASES and not os.path.isdir(path):
+        raise UserError(f"{flag} '{path}' (a shipped tiny base) is missing: restore it (`git checkout -- {path}`) "
+                        f"or rebuild it (`{SHIPPED_BASES[os.path.normpath(path)]}`)")
     if os.path.isdir(path):
         verify_checksums(path, flag)
         parts = [p for p in (family.COMPONENTS if family else ()) if p not in (optional or ())]
@@ -46,8 +47,8 @@ def verify_checksums(folder, flag):
     listing = os.path.join(folder, CHECKSUMS)
     if not os.path.isfile(listing):
         return
-    fix = (f"restore it (`git checkout -- {folder}`) or rebuild it (`make tiny-sd-base`)"
-           if os.path.abspath(folder) == os.path.abspath(SHIPPED_BASE) else "restore the folder")
+    shipped = {os.path.abspath(base): build for base, build in SHIPPED_BASES.items()}.get(os.path.abspath(folder))
+    fix = f"restore it (`git checkout -- {folder}`) or rebuild it (`{shipped}`)" if shipped else "restore the folder"
     with open(listing) as f:
         for line in f:
             digest, name = line.strip().split(maxsplit=1)

@@ -7,7 +7,7 @@ Three steps, each a command of the Makefile target (the model card records them)
    frozen random-init CLIP text encoder and tokenizer (the pooled embedding), a random-init 2-layer T5 encoder
    (frozen) with a word-level tokenizer of the digits' caption words (a caption is about 10 tokens, so
    --max_sequence_length 16 holds it: text length, not width, sets the cost of a step), FLUX.1's flow-matching
-   scheduler, and transformer_config.json: one double-stream and four single-stream blocks, 128 wide, no guidance
+   scheduler, and transformer_config.json: one double-stream and three single-stream blocks, 128 wide, no guidance
    embedding (a base trained from scratch with caption dropout is guided by true classifier-free guidance).
 2. train_text_to_image.py trains a fresh transformer from that config on the digits' captions by flow matching,
    with caption dropout and an EMA.
@@ -25,7 +25,7 @@ from demo.digits import NAMES, STYLE, SUFFIX_WORDS
 SHIPPED_SD = "assets/tiny-sd-digits"
 PIPELINE_FILES = ("model_index.json", "scheduler", "text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2",
                   "transformer", "vae")
-TRANSFORMER_CONFIG = dict(patch_size=1, in_channels=16, out_channels=None, num_layers=1, num_single_layers=4,
+TRANSFORMER_CONFIG = dict(patch_size=1, in_channels=16, out_channels=None, num_layers=1, num_single_layers=3,
                           attention_head_dim=32, num_attention_heads=4, joint_attention_dim=64,
                           pooled_projection_dim=32, guidance_embeds=False, axes_dims_rope=(8, 12, 12))
 T5_CONFIG = dict(d_model=64, d_ff=128, d_kv=16, num_heads=4, num_layers=2, feed_forward_proj="gated-gelu",
@@ -131,7 +131,7 @@ def flux_card(metrics, info, args):
     """The model card's text above its common table (demo/tiny_sd_base.py's `ship` adds the rest)."""
     return {
         "title": "# tiny-flux-digits: a tiny Flux.1-architecture model trained on the digits",
-        "intro": ("A `FluxPipeline` (FluxTransformer2DModel: 1 double- and 4 single-stream blocks, 128 wide, no "
+        "intro": ("A `FluxPipeline` (FluxTransformer2DModel: 1 double- and 3 single-stream blocks, 128 wide, no "
                   "guidance embedding; the VAE and CLIP of assets/tiny-sd-digits; a 2-layer random-init T5 with a "
                   "word-level tokenizer of the digits' caption words) that draws the digit a prompt asks for: \"a "
                   "handwritten digit seven\" gives a 7, white on black, 32 px. Trained by flow matching; sampled with "
