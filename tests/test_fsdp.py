@@ -10,6 +10,7 @@ What runs where (a launch of two processes costs 15-40 s of CPU, so the trainers
   validation images from copies gathered on every process): a run, its resume from checkpoint-2, bitwise, and its
   checkpoint resumed without FSDP (one line). The resume path (the optimizer states made first, then accelerate's
   sharded model and optimizer load) is the same for every trainer.
+- train_lora.py on Flux.1 (the tiny random-init one): a run, its LoRA against FSDP's own checkpoint.
 - train_classifier.py (a transformers model; the state hooks' default save; the best model loaded back on every
   process): a run.
 - train_text_to_image.py and train_ddpm.py are not run under FSDP here: their FSDP lines are full_models of their one
@@ -118,6 +119,29 @@ def test_lora_under_fsdp_resumes_exactly_and_saves_loadable_weights(digits, tiny
     assert_one_line_error(proc, "checkpoint-2' was written by an FSDP run and cannot resume without FSDP",
                           "the accelerate config that wrote it")
     assert sorted((p.relative_to(resumed), p.stat().st_mtime_ns) for p in resumed.rglob("*")) == before
+
+
+def test_flux_lora_under_fsdp_saves_what_fsdp_checkpointed(digits, tiny_flux, tmp_path):
+    """A flow-matching family under FSDP: the Flux transformer's LoRA (packed latents, the guidance input) beside its
+    frozen weights in the FSDP units, bf16; the saved LoRA is FSDP's own checkpointed adapter state, with plain names,
+    and FluxPipeline loads it."""
+    from diffusers import FluxPipeline
+
+    run = tmp_path / "run"
+    launch_fsdp("train_lora.py", "--train_data_dir", digits, "--pretrained_model_name_or_path", tiny_flux, *SD,
+                "--rank", "4", "--mixed_precision", "bf16", "--max_sequence_length", "16", *VALIDATION, *STEPS,
+                "--output_dir", run)
+    assert_fsdp_ran(run)
+    sharded = fsdp_weights(run / "checkpoint-4")
+    adapters = load_file(run / "checkpoint-4" / "transformer" / "adapter_model.safetensors")
+    assert adapters and all(torch.equal(v, sharded[k.replace(".weight", ".default.weight")])
+                            for k, v in adapters.items())
+    final = load_file(run / "pytorch_lora_weights.safetensors")
+    assert all(torch.equal(final[f"transformer.{k}"], v) for k, v in adapters.items())
+    assert_plain_names(run)
+    pipe = FluxPipeline.from_pretrained(tiny_flux)
+    pipe.load_lora_weights(run)
+    assert set(pipe.get_list_adapters()) == {"transformer"}
 
 
 def test_classifier_under_fsdp_saves_and_reloads_the_full_model(digits, tmp_path):
