@@ -144,3 +144,78 @@ def check_lora_base(flag, path, metadata, keys, base, base_family):
     if family and base_family in NAMES and family != base_family:
         raise UserError(f"{flag} '{path}' is a {NAMES[family]} LoRA ({why}), but the base model '{base}' is "
                         f"{NAMES[base_family]}; give a LoRA made for this base, or a {NAMES[family]} base")
+
+
+# What several families share, named by each family module that has it (`guidance_kwargs = classifier_free_guidance`).
+def classifier_free_guidance(denoiser_config, scale, batch):
+    """A pipeline call's guidance at `scale`: classifier-free, the unconditional branch above 1. -> (the call's
+    arguments, whether it needs the unconditional embeddings)."""
+    return {"guidance_scale": scale}, scale > 1
+
+
+def embedding_kwargs(cond, uncond):
+    """A pipeline call's arguments for embeddings computed beforehand (cond; uncond: the empty prompt's, or None)."""
+    kwargs = {"prompt_embeds": cond["prompt_embeds"]}
+    if "pooled_prompt_embeds" in cond:
+        kwargs["pooled_prompt_embeds"] = cond["pooled_prompt_embeds"]
+    if uncond is not None:
+        kwargs["negative_prompt_embeds"] = uncond["prompt_embeds"]
+        if "pooled_prompt_embeds" in uncond:
+            kwargs["negative_pooled_prompt_embeds"] = uncond["pooled_prompt_embeds"]
+    return kwargs
+
+
+def latents_as_they_are(pipe, latents, height, width):
+    """A pipeline's output_type="latent" result is already [B, C, h, w] for the VAE."""
+    return latents
+
+
+def every_target(name, encoder, targets):
+    """Every module of the text encoder that matches the targets gets LoRA."""
+    return list(targets)
+
+
+def no_t5(components, requested=None, training=False):
+    """No T5: CLIP's 77 tokens."""
+    return None
+
+
+def no_empty_prompt_zeros(index):
+    """The pipeline embeds "" for the unconditional branch (caption dropout trains on that embedding)."""
+    return False
+
+
+def t5_text_length(tokenizer, requested, default):
+    """T5's prompt length: the requested one, else `default`, capped by the T5 tokenizer's model_max_length (a base
+    trained on short prompts says so there, as the tiny digits base does)."""
+    if requested:
+        return requested
+    return min(default, getattr(tokenizer, "model_max_length", None) or default)
+
+
+def vae_native_resolution(configs):
+    """The base's own image size: its VAE's sample_size (512 for SD 1.5, 1024 for SDXL and Flux.1), or None."""
+    from ..vae import vae_sample_size
+
+    return vae_sample_size(configs["vae"])
+
+
+def vae_resolution_factor(configs):
+    """What an image side must be a multiple of: the VAE's downsampling factor (8)."""
+    from ..vae import vae_factor
+
+    return vae_factor(configs["vae"])
+
+
+def unet_sample_size(pipe):
+    """(height, width) the pipeline draws at by default: its UNet's sample_size in pixels."""
+    size = pipe.unet.config.sample_size * pipe.vae_scale_factor
+    return size, size
+
+
+def unet_size_factor(configs):
+    """What every side of a training image is a multiple of for buckets: the VAE's downsampling times the UNet's (64
+    for SD 1.5 and SDXL: 8 x 8; 8 for the tiny base), so that every level of the UNet sees whole pixels."""
+    from ..vae import vae_factor
+
+    return vae_factor(configs["vae"]) * 2 ** (len(configs["unet"]["block_out_channels"]) - 1)

@@ -8,6 +8,7 @@ from ..diffusion import FLOW_SCHEDULER_CLASSES
 from ..prompts import clip_ids, t5_ids
 from ..ui_lora import DIFFUSERS_IMPLEMENTATION, prefixed_lora
 from ..vae import vae_factor, vae_sample_size
+from . import embedding_kwargs, every_target, no_empty_prompt_zeros, t5_text_length, vae_native_resolution
 
 KEY = "flux"
 NAME = "Flux.1"
@@ -39,19 +40,12 @@ RESOLUTION_FACTOR = "the VAE's downsampling factor times 2 (Flux packs 2 x 2 lat
 
 
 def text_length(components, requested=None, training=False):
-    """T5's prompt length: the requested one, else the default (training: diffusers' script's; sampling: the
-    pipeline's, 512), capped by the T5 tokenizer's model_max_length (a base trained on short prompts says so
-    there, as the tiny digits base does)."""
-    if requested:
-        return requested
-    tokenizer = components.get("tokenizer_2")
-    limit = getattr(tokenizer, "model_max_length", None) or 512
-    return min(MAX_SEQUENCE_LENGTH if training else 512, limit)
+    """T5's prompt length: as requested, else 512 (diffusers' Flux script's and the pipeline's), capped by the T5
+    tokenizer's model_max_length."""
+    return t5_text_length(components.get("tokenizer_2"), requested, MAX_SEQUENCE_LENGTH if training else 512)
 
 
-def native_resolution(configs):
-    """Its VAE's sample_size (1024 for Flux.1; FluxPipeline itself always defaults to 128 latents)."""
-    return vae_sample_size(configs["vae"])
+native_resolution = vae_native_resolution  # (FluxPipeline itself defaults to 128 latents)
 
 
 def resolution_factor(configs):
@@ -83,8 +77,7 @@ def encode_prompts(parts, ids):
             "pooled_prompt_embeds": pooled}
 
 
-def empty_prompt_zeros(index):
-    return False
+empty_prompt_zeros = no_empty_prompt_zeros
 
 
 def pack(latents):
@@ -140,13 +133,7 @@ def guidance_kwargs(denoiser_config, scale, batch):
     return {"true_cfg_scale": scale, "negative_prompt": [""] * batch}, True
 
 
-def pipeline_prompt_kwargs(cond, uncond):
-    """The prompt's embeddings; the empty prompt's for true classifier-free guidance."""
-    kwargs = {"prompt_embeds": cond["prompt_embeds"], "pooled_prompt_embeds": cond["pooled_prompt_embeds"]}
-    if uncond is not None:
-        kwargs.update(negative_prompt_embeds=uncond["prompt_embeds"],
-                      negative_pooled_prompt_embeds=uncond["pooled_prompt_embeds"])
-    return kwargs
+pipeline_prompt_kwargs = embedding_kwargs
 
 
 def sample_size(pipe):
@@ -159,8 +146,7 @@ def unpack_latents(pipe, latents, height, width):
     return pipe._unpack_latents(latents, height, width, pipe.vae_scale_factor)
 
 
-def text_encoder_targets(name, encoder, targets):
-    return list(targets)
+text_encoder_targets = every_target
 
 
 def base_metadata(denoiser_config, prediction_type):

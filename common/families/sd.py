@@ -4,7 +4,18 @@ one CLIP text encoder. The reference family: every family module defines the nam
 from ..diffusion import SCHEDULER_CLASSES
 from ..prompts import clip_ids
 from ..ui_lora import DIFFUSERS_IMPLEMENTATION, kohya_lora
-from ..vae import vae_factor, vae_sample_size
+from . import (
+    classifier_free_guidance,
+    embedding_kwargs,
+    every_target,
+    latents_as_they_are,
+    no_empty_prompt_zeros,
+    no_t5,
+    unet_sample_size,
+    unet_size_factor,
+    vae_native_resolution,
+    vae_resolution_factor,
+)
 
 KEY = "sd"
 NAME = "Stable Diffusion 1.x/2.x"
@@ -28,32 +39,21 @@ SAMPLER, SAMPLE_STEPS, SAMPLE_GUIDANCE = "dpm", 30, 7.5  # sample.py's and the v
 SAMPLE_FLAGS = ("negative_prompt", "guidance_rescale", "clip_skip")  # sample.py's flags its pipeline takes
 LORA_SCALE_ARGUMENT = "cross_attention_kwargs"  # the pipeline call's argument that scales the LoRAs
 PIPELINE_EXTRAS = {"safety_checker": None, "feature_extractor": None, "requires_safety_checker": False}
-
-
-def text_length(components, requested=None, training=False):
-    """No T5: CLIP's 77 tokens."""
-    return None
-
-
-def native_resolution(configs):
-    """The base's own image size: its VAE's sample_size (512 for SD 1.5), or None."""
-    return vae_sample_size(configs["vae"])
-
-
 SINGLE_FILE = True  # the original single-file checkpoint layout holds it (train_text_to_image.py --save_model_as)
 NATIVE_SIZE_FROM = "VAE"  # whose config's sample_size is the native training size
 RESOLUTION_FACTOR = "the VAE's downsampling factor"
 
 
-def resolution_factor(configs):
-    """What an image side must be a multiple of: the VAE's downsampling factor (8)."""
-    return vae_factor(configs["vae"])
+text_length = no_t5
 
 
-def size_factor(configs):
-    """What every side of a training image is a multiple of for buckets: the VAE's downsampling times the UNet's (64
-    for SD 1.5: 8 x 8; 8 for the tiny base), so that every level of the UNet sees whole pixels."""
-    return vae_factor(configs["vae"]) * 2 ** (len(configs["unet"]["block_out_channels"]) - 1)
+native_resolution = vae_native_resolution
+
+
+resolution_factor = vae_resolution_factor
+
+
+size_factor = unet_size_factor
 
 
 def fit_problems(denoiser_config, configs):
@@ -76,10 +76,7 @@ def encode_prompts(parts, ids):
     return {"prompt_embeds": parts["text_encoder"](ids[0])[0]}
 
 
-def empty_prompt_zeros(index):
-    """Does the pipeline (model_index.json `index`) sample the unconditional branch with zeros rather than the
-    embedding of ""? Then caption dropout trains on zeros too."""
-    return False
+empty_prompt_zeros = no_empty_prompt_zeros
 
 
 def denoise(unet, noisy, timesteps, cond, guidance=None):
@@ -87,34 +84,19 @@ def denoise(unet, noisy, timesteps, cond, guidance=None):
     return unet(noisy, timesteps, cond["prompt_embeds"], return_dict=False)[0]
 
 
-def guidance_kwargs(denoiser_config, scale, batch):
-    """A pipeline call's guidance at `scale` (classifier-free: the unconditional branch when above 1), and whether it
-    needs the unconditional embeddings."""
-    return {"guidance_scale": scale}, scale > 1
+guidance_kwargs = classifier_free_guidance
 
 
-def pipeline_prompt_kwargs(cond, uncond):
-    """A pipeline call's arguments for embeddings computed beforehand (cond; uncond: the empty prompt's, or None)."""
-    kwargs = {"prompt_embeds": cond["prompt_embeds"]}
-    if uncond is not None:
-        kwargs["negative_prompt_embeds"] = uncond["prompt_embeds"]
-    return kwargs
+pipeline_prompt_kwargs = embedding_kwargs
 
 
-def sample_size(pipe):
-    """(height, width) the pipeline draws at by default: its UNet's sample_size in pixels."""
-    size = pipe.unet.config.sample_size * pipe.vae_scale_factor
-    return size, size
+sample_size = unet_sample_size
 
 
-def unpack_latents(pipe, latents, height, width):
-    """A pipeline's output_type="latent" result -> latents [B, C, h, w] for the VAE."""
-    return latents
+unpack_latents = latents_as_they_are
 
 
-def text_encoder_targets(name, encoder, targets):
-    """The modules of text encoder `name` that get LoRA."""
-    return list(targets)
+text_encoder_targets = every_target
 
 
 def base_metadata(denoiser_config, prediction_type):

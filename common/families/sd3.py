@@ -8,6 +8,14 @@ from ..diffusion import FLOW_SCHEDULER_CLASSES
 from ..prompts import clip_ids, t5_ids
 from ..ui_lora import DIFFUSERS_IMPLEMENTATION, prefixed_lora
 from ..vae import vae_factor
+from . import (
+    classifier_free_guidance,
+    embedding_kwargs,
+    every_target,
+    latents_as_they_are,
+    no_empty_prompt_zeros,
+    t5_text_length,
+)
 
 KEY = "sd3"
 NAME = "Stable Diffusion 3"
@@ -42,14 +50,9 @@ RESOLUTION_FACTOR = "the VAE's downsampling factor times the transformer's patch
 
 
 def text_length(components, requested=None, training=False):
-    """T5's prompt length: the requested one, else the default (training: diffusers' script's; sampling: the
-    pipeline's, 256), capped by the T5 tokenizer's model_max_length (a base trained on short prompts says so
-    there, as the tiny digits base does)."""
-    if requested:
-        return requested
-    tokenizer = components.get("tokenizer_3")
-    limit = getattr(tokenizer, "model_max_length", None) or 256
-    return min(MAX_SEQUENCE_LENGTH if training else 256, limit)
+    """T5's prompt length: as requested, else diffusers' SD3 script's (training) or the pipeline's (256), capped by
+    the T5 tokenizer's model_max_length."""
+    return t5_text_length(components.get("tokenizer_3"), requested, MAX_SEQUENCE_LENGTH if training else 256)
 
 
 def native_resolution(configs):
@@ -107,8 +110,7 @@ def encode_prompts(parts, ids):
             "pooled_prompt_embeds": torch.cat(pooled, dim=-1)}
 
 
-def empty_prompt_zeros(index):
-    return False
+empty_prompt_zeros = no_empty_prompt_zeros
 
 
 def denoise(transformer, noisy, timesteps, cond, guidance=None):
@@ -117,18 +119,10 @@ def denoise(transformer, noisy, timesteps, cond, guidance=None):
                        pooled_projections=cond["pooled_prompt_embeds"], return_dict=False)[0]
 
 
-def guidance_kwargs(denoiser_config, scale, batch):
-    """A pipeline call's guidance at `scale` (classifier-free: the unconditional branch when above 1), and whether it
-    needs the unconditional embeddings."""
-    return {"guidance_scale": scale}, scale > 1
+guidance_kwargs = classifier_free_guidance
 
 
-def pipeline_prompt_kwargs(cond, uncond):
-    kwargs = {"prompt_embeds": cond["prompt_embeds"], "pooled_prompt_embeds": cond["pooled_prompt_embeds"]}
-    if uncond is not None:
-        kwargs.update(negative_prompt_embeds=uncond["prompt_embeds"],
-                      negative_pooled_prompt_embeds=uncond["pooled_prompt_embeds"])
-    return kwargs
+pipeline_prompt_kwargs = embedding_kwargs
 
 
 def sample_size(pipe):
@@ -136,12 +130,10 @@ def sample_size(pipe):
     return size, size
 
 
-def unpack_latents(pipe, latents, height, width):
-    return latents
+unpack_latents = latents_as_they_are
 
 
-def text_encoder_targets(name, encoder, targets):
-    return list(targets)
+text_encoder_targets = every_target
 
 
 def base_metadata(denoiser_config, prediction_type):

@@ -7,7 +7,16 @@ from ..diffusion import SCHEDULER_CLASSES
 from ..prompts import clip_ids
 from ..sgm_names import sgm_module_name
 from ..ui_lora import SGM_IMPLEMENTATION, kohya_lora
-from ..vae import vae_factor, vae_sample_size
+from . import (
+    classifier_free_guidance,
+    embedding_kwargs,
+    latents_as_they_are,
+    no_t5,
+    unet_sample_size,
+    unet_size_factor,
+    vae_native_resolution,
+    vae_resolution_factor,
+)
 
 KEY = "sdxl"
 NAME = "Stable Diffusion XL"
@@ -31,31 +40,21 @@ SAMPLER, SAMPLE_STEPS, SAMPLE_GUIDANCE = "dpm", 30, 7.5
 SAMPLE_FLAGS = ("negative_prompt", "guidance_rescale", "clip_skip")  # sample.py's flags its pipeline takes
 LORA_SCALE_ARGUMENT = "cross_attention_kwargs"  # the pipeline call's argument that scales the LoRAs
 PIPELINE_EXTRAS = {}
-
-
-def text_length(components, requested=None, training=False):
-    """No T5: CLIP's 77 tokens."""
-    return None
-
-
-def native_resolution(configs):
-    """Its VAE's sample_size (1024 for SDXL 1.0)."""
-    return vae_sample_size(configs["vae"])
-
-
 SINGLE_FILE = True  # the original single-file checkpoint layout holds it (train_text_to_image.py --save_model_as)
 NATIVE_SIZE_FROM = "VAE"  # whose config's sample_size is the native training size
 RESOLUTION_FACTOR = "the VAE's downsampling factor"
 
 
-def resolution_factor(configs):
-    """What an image side must be a multiple of: the VAE's downsampling factor (8)."""
-    return vae_factor(configs["vae"])
+text_length = no_t5
 
 
-def size_factor(configs):
-    """The VAE's downsampling times the UNet's (64 for SDXL)."""
-    return vae_factor(configs["vae"]) * 2 ** (len(configs["unet"]["block_out_channels"]) - 1)
+native_resolution = vae_native_resolution
+
+
+resolution_factor = vae_resolution_factor
+
+
+size_factor = unet_size_factor
 
 
 def fit_problems(denoiser_config, configs):
@@ -95,28 +94,16 @@ def denoise(unet, noisy, timesteps, cond, guidance=None):
     return unet(noisy, timesteps, cond["prompt_embeds"], added_cond_kwargs=added, return_dict=False)[0]
 
 
-def guidance_kwargs(denoiser_config, scale, batch):
-    """A pipeline call's guidance at `scale` (classifier-free: the unconditional branch when above 1), and whether it
-    needs the unconditional embeddings."""
-    return {"guidance_scale": scale}, scale > 1
+guidance_kwargs = classifier_free_guidance
 
 
-def pipeline_prompt_kwargs(cond, uncond):
-    kwargs = {"prompt_embeds": cond["prompt_embeds"], "pooled_prompt_embeds": cond["pooled_prompt_embeds"]}
-    if uncond is not None:
-        kwargs.update(negative_prompt_embeds=uncond["prompt_embeds"],
-                      negative_pooled_prompt_embeds=uncond["pooled_prompt_embeds"])
-    return kwargs
+pipeline_prompt_kwargs = embedding_kwargs
 
 
-def sample_size(pipe):
-    """(height, width) the pipeline draws at by default: its UNet's sample_size in pixels."""
-    size = pipe.unet.config.sample_size * pipe.vae_scale_factor
-    return size, size
+sample_size = unet_sample_size
 
 
-def unpack_latents(pipe, latents, height, width):
-    return latents
+unpack_latents = latents_as_they_are
 
 
 def text_encoder_targets(name, encoder, targets):
