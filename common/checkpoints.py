@@ -27,7 +27,6 @@ logger = logging.getLogger(__name__)
 
 _NAME = re.compile(r"^checkpoint-(\d+)$")
 INFO_FILE = "checkpoint_info.json"
-_FSDP_FILE = re.compile(r"^(pytorch_model_fsdp(_\d+)?(_rank\d+)?(\.bin)?|optimizer_\d+)$")  # accelerate's FSDP state
 
 
 def list_checkpoints(output_dir):
@@ -121,19 +120,6 @@ def load_checkpoint(accelerator, path):
     except (pickle.UnpicklingError, RuntimeError, OSError, KeyError, ValueError) as err:
         raise UserError(f"--resume_from_checkpoint: cannot load '{path}' ({first_line(err, 200)}); "
                         "resume from another checkpoint-N or start without the flag") from None
-
-
-def check_fsdp_checkpoint(path, fsdp):
-    """A checkpoint resumes only under the kind of run that wrote it, FSDP or not: accelerate writes an FSDP run's
-    model and optimizer state sharded (pytorch_model_fsdp_N/, optimizer_N/), which a run without FSDP cannot read,
-    and the other way round. One line saying which (common/fsdp.py's check_fsdp_run calls it before anything loads)."""
-    sharded = any(_FSDP_FILE.match(name) for name in os.listdir(path))
-    if sharded == fsdp:
-        return
-    written, now = ("an FSDP run", "without FSDP") if sharded else ("a run without FSDP", "under FSDP")
-    raise UserError(f"--resume_from_checkpoint: '{path}' was written by {written} and cannot resume {now} (accelerate "
-                    "keeps an FSDP run's optimizer state sharded): resume with the accelerate config that wrote it, "
-                    "or start a new run from its weights (the from_pretrained folders in it)")
 
 
 def resolve_resume(resume_from_checkpoint, output_dir):

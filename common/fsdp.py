@@ -9,8 +9,11 @@ under FSDP here. Without FSDP each is what the trainers did before: the unwrappe
 `load_state_dict`, `accelerator.clip_grad_norm_`, nothing to refuse.
 """
 import os
+import re
 
 from .cli import UserError
+
+_FSDP_FILE = re.compile(r"^(pytorch_model_fsdp(_\d+)?(_rank\d+)?(\.bin)?|optimizer_\d+)$")  # accelerate's FSDP state
 
 
 def is_fsdp(accelerator):
@@ -24,11 +27,8 @@ def check_fsdp_run(accelerator, args):
     does not apply it (on a CPU it trains unsharded, silently), FSDP2, a flag that does not run under FSDP here, or a
     checkpoint to resume that another kind of run wrote (FSDP or not). Right after the Accelerator is made: before
     anything loads or is written."""
-    from .checkpoints import check_fsdp_checkpoint, resolve_resume
-
-    resume_path = resolve_resume(args.resume_from_checkpoint, args.output_dir)
-    if resume_path:
-        check_fsdp_checkpoint(resume_path, is_fsdp(accelerator))
+    if args.resume_from_checkpoint:  # (agreed_checkpoint's: a checkpoint folder every process has)
+        check_fsdp_checkpoint(args.resume_from_checkpoint, is_fsdp(accelerator))
     asked = os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
     if not is_fsdp(accelerator):
         if asked:
@@ -47,6 +47,19 @@ def check_fsdp_run(accelerator, args):
         if getattr(args, flag, None):
             raise UserError(f"--{flag} does not run under FSDP here ({why}): leave it out, or train with DDP "
                             "(accelerate_configs/multi_gpu.yaml)")
+
+
+def check_fsdp_checkpoint(path, fsdp):
+    """A checkpoint resumes only under the kind of run that wrote it, FSDP or not: accelerate writes an FSDP run's
+    model and optimizer state sharded (pytorch_model_fsdp_N/, optimizer_N/), which a run without FSDP cannot read,
+    and the other way round. One line saying which (check_fsdp_run calls it before anything loads)."""
+    sharded = any(_FSDP_FILE.match(name) for name in os.listdir(path))
+    if sharded == fsdp:
+        return
+    written, now = ("an FSDP run", "without FSDP") if sharded else ("a run without FSDP", "under FSDP")
+    raise UserError(f"--resume_from_checkpoint: '{path}' was written by {written} and cannot resume {now} (accelerate "
+                    "keeps an FSDP run's optimizer state sharded): resume with the accelerate config that wrote it, "
+                    "or start a new run from its weights (the from_pretrained folders in it)")
 
 
 def uniform_dtype(accelerator, models, dtype):

@@ -113,3 +113,24 @@ def test_trainer_copied_with_its_list_trains_in_an_empty_folder(digits, tmp_path
            env=offline_env(PYTHONPATH=""))
     assert (tmp_path / "out/model.safetensors").exists()
 
+
+
+def test_common_has_no_import_cycle():
+    """No module of common/ imports, at any depth of its code (function-level imports too), a module that imports it
+    back: each has one job, and the layers go one way (the families below base_models.py, the leaves below both)."""
+    modules = {".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"): path
+               for path in ROOT.glob("common/**/*.py")}
+    edges = {name: {target for target in imported_names(path) if target in modules and target != name}
+             for name, path in modules.items()}
+
+    def cycle_from(name, trail):
+        if name in trail:
+            return trail[trail.index(name):] + [name]
+        for target in sorted(edges[name]):
+            found = cycle_from(target, trail + [name])
+            if found:
+                return found
+        return None
+
+    cycles = [cycle for name in sorted(modules) if (cycle := cycle_from(name, []))]
+    assert not cycles, " -> ".join(cycles[0])
