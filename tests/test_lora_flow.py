@@ -91,6 +91,12 @@ def test_the_lora_loads_back_exactly(trained):
         assert (ours - theirs).abs().max() < 1e-5 and (base_text - theirs).abs().max() > 1e-5
     info = json.loads((out / "lora_info.json").read_text())
     assert info["target_modules"] == family_module(name).LORA_TARGETS.split(",")
+    # the UI file: the same weights under the names ComfyUI reads for this family, each module with its alpha
+    ui = load_file(out / "pytorch_lora_weights_kohya.safetensors")
+    adapter = load_file(out / "checkpoint-6" / "transformer" / "adapter_model.safetensors")
+    assert adapter and all(torch.equal(ui[f"transformer.{key}"], value) for key, value in adapter.items())
+    alphas = {key: value for key, value in ui.items() if key.endswith(".alpha")}
+    assert alphas and all(value.item() == 8 for value in alphas.values())
     card = (out / "README.md").read_text()
     assert PIPELINES[name] in card
 
@@ -131,6 +137,13 @@ def test_sample_py_is_the_pipeline_and_the_validation_image(trained, tmp_path):
     assert params["max_sequence_length"] == 40  # the run's T5 length (lora_info.json), sample.py's default
     assert np.abs(drawn - np.asarray(image).astype(int)).max() <= 1
     assert np.abs(drawn - pixels(out / "samples" / "step-6" / "0-0.png")).max() <= 1
+    # the base alone: sample.py's defaults are the pipeline's own (steps aside), at the base's T5 length
+    proc = run_script("sample.py", "--model", base, "--prompt", "a handwritten digit seven", "--num_images", "1",
+                      "--num_inference_steps", "2", "--output_dir", tmp_path / "base")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    plain = pipeline(name, base)("a handwritten digit seven", num_inference_steps=2, height=32, width=32,
+                                 generator=torch.Generator().manual_seed(0)).images[0]
+    assert np.abs(pixels(tmp_path / "base" / "0000.png") - np.asarray(plain).astype(int)).max() <= 1
 
 
 def test_inspect_traces_the_flow_pipeline(trained):
@@ -156,10 +169,11 @@ def test_inspect_traces_the_flow_pipeline(trained):
         assert report["trace"]["guided"] and t5["last_hidden_state"] == [1, 256, 96]
 
 
-def test_two_processes(bases, digits, tmp_path):
-    """Flux on two CPU processes: the held-out loss at step 0 is the one-process value (the images are shared out
-    and the sums reduced), the run finishes and saves."""
-    args = ["--train_data_dir", digits, "--pretrained_model_name_or_path", bases["flux"], *STEPS,
+@pytest.mark.parametrize("name", ["flux", "sd3"])
+def test_two_processes(name, bases, digits, tmp_path):
+    """Two CPU processes: the held-out loss at step 0 is the one-process value (the images are shared out and the
+    sums reduced), the run finishes and saves."""
+    args = ["--train_data_dir", digits, "--pretrained_model_name_or_path", bases[name], *STEPS,
             "--max_train_steps", "2", "--validation_split", "0.1"]
     one = launch("train_lora.py", *args, "--output_dir", tmp_path / "one")
     two = launch("train_lora.py", *args, "--output_dir", tmp_path / "two", config="cpu_2proc.yaml")
