@@ -16,11 +16,10 @@ sample.py finds the base model.
 Defaults suit a real base: --resolution is the base's native size (its VAE's sample_size, 512 for SD 1.5),
 --learning_rate 1e-4, --train_batch_size 16, as in diffusers' LoRA example.
 
-Built-in demo (CPU, a few minutes): a style LoRA, "red ink on paper", on the tiny digits base shipped in
-assets/tiny-sd-digits (white-on-black digits only), then its measured effect and a side-by-side picture
-(demo/style_report.py); the Makefile passes the demo's data, --learning_rate 3e-3, --train_batch_size 16,
---max_train_steps 400, --caption_dropout_prob 0.1 and LoRA on the convolutions and feed-forward layers too:
-    make train-lora
+Built-in demo (CPU, about a minute): a style LoRA, "red ink on paper", on a tiny digits base shipped in assets/
+(white-on-black digits only: tiny-flux-digits, Flux.1's architecture, or BASE=assets/tiny-sd-digits), then its
+measured effect and a side-by-side picture (demo/style_report.py); the Makefile passes the demo's data and settings:
+    make train-lora                              # (the script's own default base is assets/tiny-sd-digits)
 One GPU, Stable Diffusion 1.5 from the hub (at 512 px, its native size):
     accelerate launch --config_file accelerate_configs/single_gpu.yaml train_lora.py \
         --pretrained_model_name_or_path stable-diffusion-v1-5/stable-diffusion-v1-5 \

@@ -13,7 +13,8 @@ class (`DiffusionPipeline.from_pretrained(output_dir)`, sample.py, and a base fo
 Built-in demo (CPU): a full fine-tune of the shipped tiny base on the red-ink digits that `make data` writes (the
 LoRA recipe's data, for comparison):
     make train-text-to-image
-`make tiny-sd-base` trains the shipped base itself with this script (from --unet_config, on the digits).
+`make tiny-sd-base` and `make tiny-flux-base` train the shipped bases with this script (from --unet_config or
+--transformer_config, on the digits).
 One GPU, Stable Diffusion 1.5 from the hub (full fine-tuning wants a large GPU; bf16 and 8-bit Adam help):
     accelerate launch --config_file accelerate_configs/single_gpu.yaml train_text_to_image.py \
         --pretrained_model_name_or_path stable-diffusion-v1-5/stable-diffusion-v1-5 \
