@@ -296,18 +296,18 @@ def sample_pipeline(args):
 
 
 def check_sample_flags(args, family, base, flag):
-    """One line for a flag that the family's pipeline does not take, and for SD3 without its T5 unasked."""
+    """One line for a flag that the family's pipeline does not take, and for a local folder that misses a component
+    (SD3's T5 without --drop_t5)."""
+    from common.base_models import check_components
+
     for name in FAMILY_FLAGS:
         if getattr(args, name) not in (None, False) and name not in family.SAMPLE_FLAGS:
             raise UserError(f"--{name} means nothing for a {family.NAME} base ({base}): leave it out")
     if args.scheduler and args.scheduler not in family.SAMPLERS:
         raise UserError(f"--scheduler {args.scheduler}: {family.NAME} bases sample with "
                         f"{', '.join(sorted(family.SAMPLERS))}")
-    missing = [p for p in family.OPTIONAL_COMPONENTS or () if os.path.isdir(base)
-               and not os.path.isdir(os.path.join(base, p))]
-    if missing and not args.drop_t5:
-        raise UserError(f"{flag} '{base}' has no {', '.join(missing)} (its T5 text encoder): give --drop_t5 to draw "
-                        "without T5, or a complete pipeline folder")
+    if os.path.isdir(base):
+        check_components(base, flag, family, args.drop_t5, to="draw")
 
 
 def draw(pipe, family, args, images, params, common, steps, guidance, extra):

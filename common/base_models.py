@@ -15,21 +15,33 @@ SHIPPED_BASES = {SHIPPED_BASE: "make tiny-sd-base", "assets/tiny-flux-digits": "
 CHECKSUMS = "checksums.sha256"  # `sha256sum -c` format: a shipped folder's files, checked before each use
 
 
-def check_pipeline_folder(path, flag, family=None, optional=()):
-    """A local folder must hold a pipeline of `family` (every component folder it loads, but `optional`) and match
-    its checksums.sha256, if it has one; anything else must look like a hub id (owner/name)."""
+def check_pipeline_folder(path, flag):
+    """A local folder must hold a pipeline (model_index.json) and match its checksums.sha256, if it has one; anything
+    else must look like a hub id (owner/name)."""
     if os.path.normpath(path) in SHIPPED_BASES and not os.path.isdir(path):
         raise UserError(f"{flag} '{path}' (a shipped tiny base) is missing: restore it (`git checkout -- {path}`) "
                         f"or rebuild it (`{SHIPPED_BASES[os.path.normpath(path)]}`)")
     if os.path.isdir(path):
         verify_checksums(path, flag)
-        parts = [p for p in (family.COMPONENTS if family else ()) if p not in (optional or ())]
-        missing = [part for part in ("model_index.json", *parts) if not os.path.exists(os.path.join(path, part))]
-        if missing:
-            what = f"a {family.NAME} pipeline" if family else "a pipeline"
-            raise UserError(f"{flag} '{path}' is not {what} folder (no {', '.join(missing)}); {TINY_HINT}")
+        if not os.path.isfile(os.path.join(path, "model_index.json")):
+            raise UserError(f"{flag} '{path}' is not a pipeline folder (no model_index.json); {TINY_HINT}")
     elif not is_hub_id(path):
         raise UserError(f"{flag} '{path}' is neither a pipeline folder nor a hub id; {TINY_HINT}")
+
+
+def check_components(path, flag, family, drop_t5, to="train"):
+    """A local pipeline folder of `family` holds every component folder the family loads; its optional ones (SD3's
+    T5) may be missing only with --drop_t5 (`to`: what the script does without them, "train" or "draw")."""
+    dropped = family.OPTIONAL_COMPONENTS or () if drop_t5 else ()
+    missing = [part for part in family.OPTIONAL_COMPONENTS or () if not os.path.isdir(os.path.join(path, part))]
+    if missing and not dropped:
+        raise UserError(f"{flag} '{path}' has no {', '.join(missing)} (its T5 text encoder): give --drop_t5 to {to} "
+                        "without T5, or a complete pipeline folder")
+    missing = [part for part in family.COMPONENTS
+               if part not in dropped and not os.path.exists(os.path.join(path, part))]
+    if missing:
+        raise UserError(f"{flag} '{path}' is not a {family.NAME} pipeline folder (no {', '.join(missing)}); "
+                        f"{TINY_HINT}")
 
 
 def file_sha256(path):
@@ -245,12 +257,7 @@ def check_base_args(args, uses):
     if not os.path.isdir(path):
         return None
     family = load_family(path, flag, uses=uses)
-    dropped = family.OPTIONAL_COMPONENTS if getattr(args, "drop_t5", False) else ()
-    missing = [part for part in family.OPTIONAL_COMPONENTS or () if not os.path.isdir(os.path.join(path, part))]
-    if missing and not dropped:
-        raise UserError(f"{flag} '{path}' has no {', '.join(missing)} (its T5 text encoder): give --drop_t5 to train "
-                        "without T5, or a complete pipeline folder")
-    check_pipeline_folder(path, flag, family, optional=dropped)
+    check_components(path, flag, family, args.drop_t5)
     check_family_args(args, family)
     args.resolution = check_local_resolution(path, args.resolution, family)
     return family

@@ -12,9 +12,6 @@ import inspect
 DEFAULT_SCHEDULER = "ddim"
 DEFAULT_INFERENCE_STEPS = 50
 DEFAULT_GUIDANCE_SCALE = 1.5
-# Stable Diffusion's: train_lora.py validates with it and sample.py samples with it, so both draw alike.
-SD_SCHEDULER = "dpm"
-SD_INFERENCE_STEPS, SD_GUIDANCE_SCALE = 30, 7.5  # sample.py's defaults for Stable Diffusion
 
 SCHEDULER_CLASSES = {
     "ddpm": "DDPMScheduler", "ddim": "DDIMScheduler", "dpm": "DPMSolverMultistepScheduler",

@@ -25,7 +25,9 @@ class PromptCache:
     embed(ids) -> {name: tensor [n, ...]}: the family's encode_prompts on a chunk of `ids` (a list of token-id tensors
     [N, L], one per text encoder), run `batch_size` prompts at a time. Rows in `zero_rows` are zeros (a pipeline that
     samples the unconditional branch with zeros: the empty prompt's). Past `limit_gb`, the embeddings go to
-    memory-mapped files in a temporary folder of this process (every process makes its own: no shared disk needed).
+    memory-mapped files in a temporary folder of this process (every process makes its own: no shared disk needed),
+    unlinked as soon as they are mapped: the disk space goes back when the process ends, however it ends (a process of
+    a multi-process run leaves through os._exit, without finalizers).
     """
 
     def __init__(self, embed, ids, batch_size=64, zero_rows=(), limit_gb=CACHE_LIMIT_GB):
@@ -44,9 +46,10 @@ class PromptCache:
                     self.dtypes[name] = dtype
                     if count * value[0].numel() * value.element_size() > limit_gb * 2**30:
                         self.folder = self.folder or tempfile.mkdtemp(prefix="prompt-cache-")
-                        self.tensors[name] = np.lib.format.open_memmap(
-                            os.path.join(self.folder, f"{name}.npy"), mode="w+", dtype=_numpy_dtype(dtype),
-                            shape=shape)
+                        file = os.path.join(self.folder, f"{name}.npy")
+                        self.tensors[name] = np.lib.format.open_memmap(file, mode="w+", dtype=_numpy_dtype(dtype),
+                                                                       shape=shape)
+                        os.remove(file)  # (the mapping keeps the data)
                     else:
                         self.tensors[name] = torch.empty(shape, dtype=dtype)
                 rows = self.tensors[name]
@@ -57,6 +60,8 @@ class PromptCache:
         for name, rows in self.tensors.items():
             for row in zero_rows:
                 rows[row] = 0
+        if self.folder:
+            shutil.rmtree(self.folder, ignore_errors=True)
         self.count = count
 
     def __len__(self):
@@ -79,11 +84,8 @@ class PromptCache:
         return out
 
     def close(self):
-        """Remove the memory-mapped files, if any."""
-        if self.folder:
-            self.tensors = {}
-            shutil.rmtree(self.folder, ignore_errors=True)
-            self.folder = None
+        """Let go of the embeddings (the memory-mapped files' space with them)."""
+        self.tensors = {}
 
 
 def _numpy_dtype(dtype):

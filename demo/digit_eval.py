@@ -27,8 +27,9 @@ def generate(pipe, family, prompts, guidance_scale, num_inference_steps, seed=0,
     sample.py draws; image i from torch.Generator().manual_seed(seed + i)."""
     out = []
     kwargs = {family.LORA_SCALE_ARGUMENT: {"scale": lora_scale}} if lora_scale is not None else {}
-    if family.text_length(pipe.components):
-        kwargs["max_sequence_length"] = family.text_length(pipe.components)
+    length = family.text_length(pipe.components)
+    if length:
+        kwargs["max_sequence_length"] = length
     height, width = family.sample_size(pipe)
     for start in range(0, len(prompts), batch_size):
         chunk = prompts[start:start + batch_size]

@@ -101,8 +101,8 @@ def test_the_prompt_cache_spills_to_memory_mapped_files_and_reads_back_the_same(
             spilled[rows][name].dtype
     assert not memory[[2]]["prompt_embeds"].any()
     assert torch.equal(memory[[7]]["pooled_prompt_embeds"], embed([ids[0][7:8]])["pooled_prompt_embeds"])
-    folder = spilled.folder
-    spilled.close()
     import os
 
-    assert not os.path.exists(folder)
+    assert not os.path.exists(spilled.folder)  # the files are unlinked once mapped: nothing left behind, ever
+    spilled.close()
+    assert not os.path.exists(spilled.folder)

@@ -20,21 +20,21 @@ STYLE_TARGETS = "to_k,to_q,to_v,to_out.0,proj_in,proj_out,ff.net.0.proj,ff.net.2
 def pipeline(path):
     from diffusers import StableDiffusionPipeline
 
-    from common.diffusion import SD_SCHEDULER, sampling_scheduler
+    from common.diffusion import sampling_scheduler
+    from common.families import sd
 
     pipe = StableDiffusionPipeline.from_pretrained(path)
-    pipe.scheduler = sampling_scheduler(SD_SCHEDULER, pipe.scheduler.config)
+    pipe.scheduler = sampling_scheduler(sd.SAMPLER, pipe.scheduler.config, sd.SAMPLERS)
     pipe.set_progress_bar_config(disable=True)
     return pipe
 
 
 def draw(pipe, per_digit, style=False, **kwargs):
-    from common.diffusion import SD_GUIDANCE_SCALE, SD_INFERENCE_STEPS
     from common.families import sd
     from demo.digit_eval import digit_prompts, generate
 
     prompts, labels = digit_prompts(per_digit, style=style)
-    return generate(pipe, sd, prompts, SD_GUIDANCE_SCALE, SD_INFERENCE_STEPS, **kwargs), labels
+    return generate(pipe, sd, prompts, sd.SAMPLE_GUIDANCE, sd.SAMPLE_STEPS, **kwargs), labels
 
 
 def test_shipped_files_match_their_checksums_and_load():
@@ -91,7 +91,7 @@ def test_load_lora_weights_and_kohya_give_the_trained_models_images(style_lora):
     # The final validation images come from the in-memory trained LoRA; the saved files must draw the same ones.
     from PIL import Image
 
-    from common.diffusion import SD_GUIDANCE_SCALE
+    from common.families import sd
     from demo.digit_eval import in_style
 
     step = read_results(style_lora)["global_step"]
@@ -102,7 +102,7 @@ def test_load_lora_weights_and_kohya_give_the_trained_models_images(style_lora):
         pipe.load_lora_weights(style_lora, weight_name=weights)
         generators = [torch.Generator().manual_seed(42 + j) for j in range(4)]
         images = pipe(["a handwritten digit three, red ink on paper"] * 4, num_inference_steps=20,
-                      guidance_scale=SD_GUIDANCE_SCALE, generator=generators, output_type="np").images
+                      guidance_scale=sd.SAMPLE_GUIDANCE, generator=generators, output_type="np").images
         loaded = (images * 255).round().astype(np.uint8)
         assert np.abs(loaded.astype(int) - trained.astype(int)).max() <= 2, weights
         as_tensor = torch.from_numpy(loaded).permute(0, 3, 1, 2).float() / 255
