@@ -28,7 +28,7 @@ LAUNCH := $(LAUNCH_ENV) $(PY) -m common.launch --config_file $(CONFIG) \
 ARGS ?=
 DIGITS := data/digits/train/metadata.jsonl
 
-.PHONY: install install-extras install-deepspeed lint data env tiny-sd-base tiny-flux-base tiny-sdxl tiny-sd3 tiny-flux train-text-to-image train-classifier train-ddpm sample-ddpm tiny-sd train-lora sample-lora inspect test clean
+.PHONY: install install-extras install-deepspeed lint data env tiny-sd-base tiny-flux-base tiny-sdxl tiny-sd3 tiny-flux train-text-to-image train-classifier train-ddpm sample-ddpm tiny-sd train-lora train-dreambooth sample-lora inspect test clean
 
 install: $(VENV)/.installed
 $(VENV)/.installed: requirements.txt
@@ -175,6 +175,21 @@ train-lora: data
 	@echo "LoRA: $(LORA_OUT)/pytorch_lora_weights.safetensors (lora_info.json, README.md, all_results.json)"
 	@echo "validation images: $(LORA_OUT)/samples/step-*/$(if $(DEMO_LORA),   side by side: \
 	  $(LORA_OUT)/side_by_side.png,   sample grid: $(LORA_OUT)/samples/grid.png)"
+
+# DreamBooth: 20 red-ink sevens (data/dreambooth/instance) under "a handwritten digit seven, sks" with prior
+# preservation: 100 class images of "a handwritten digit seven" that the base draws once into
+# data/dreambooth/class-seven. Then demo/dreambooth.py measures the style with the token, without it and on the other
+# digits. PRIOR=no: the same run without prior preservation (how far the style leaks).
+DREAMBOOTH_OUT = $(or $(OUTPUT),outputs/dreambooth$(if $(filter no,$(PRIOR)),-no-prior,))
+DREAMBOOTH_PRIOR = $(if $(filter no,$(PRIOR)),,--with_prior_preservation --class_data_dir data/dreambooth/class-seven \
+  --class_prompt "a handwritten digit seven")
+train-dreambooth: data
+	$(PY) -m demo.dreambooth data
+	$(LAUNCH) $(if $(LAUNCH_ENV),--num_cpu_threads_per_process 1,) train_lora.py --output_dir $(DREAMBOOTH_OUT) \
+	  --pretrained_model_name_or_path $(BASE) $(if $(findstring tiny-sd-digits,$(BASE)),--target_modules \
+	  $(SD_LORA_TARGETS),) --instance_data_dir data/dreambooth/instance --instance_prompt "a handwritten digit seven, sks" \
+	  $(DREAMBOOTH_PRIOR) --learning_rate 3e-3 --train_batch_size 8 --max_train_steps 150 --cache_latents $(ARGS)
+	OMP_NUM_THREADS=2 $(PY) -m demo.dreambooth report --lora $(DREAMBOOTH_OUT)
 
 sample-lora: | install
 	OMP_NUM_THREADS=1 $(PY) sample.py --model $(LORA_OUT) $(LORA_PROMPTS) --num_images 4 $(ARGS)

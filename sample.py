@@ -17,7 +17,7 @@ of common/families/ (SD 1.x/2.x, SDXL, SD3, Flux.1), each through its own diffus
         --dtype bf16 --height 1024 --width 1024
 
 A copy also needs the module of its base's family: common/families/sd.py, sdxl.py, sd3.py or flux.py.
-Copy with: common/__init__.py, common/args.py, common/base_models.py, common/cli.py, common/diffusion.py, common/families/__init__.py, common/lora_files.py, common/objectives.py, common/pipelines.py, common/prompts.py, common/sgm_names.py, common/ui_lora.py, common/vae.py
+Copy with: common/__init__.py, common/args.py, common/base_models.py, common/cli.py, common/diffusion.py, common/drawing.py, common/families/__init__.py, common/lora_files.py, common/objectives.py, common/pipelines.py, common/prompts.py, common/sgm_names.py, common/ui_lora.py, common/vae.py
 """  # noqa: E501 (the copy list stays one line, for grep)
 import json
 import os
@@ -312,9 +312,7 @@ def check_sample_flags(args, family, base, flag):
 
 def draw(pipe, family, args, images, params, common, steps, guidance, extra):
     """Every prompt x --num_images seeds, in batches; appends to images and params."""
-    import torch
-
-    from common.vae import decode_fp32
+    from common.drawing import draw_images
 
     configs = {"vae": pipe.vae.config, family.DENOISER: getattr(pipe, family.DENOISER).config}
     factor = family.resolution_factor(configs)  # the pipeline would refuse, or change, another size
@@ -337,15 +335,8 @@ def draw(pipe, family, args, images, params, common, steps, guidance, extra):
     first = len(images)
     for start in range(0, len(jobs), args.batch_size):
         batch = jobs[start:start + args.batch_size]
-        kwargs.update(family.guidance_kwargs(getattr(pipe, family.DENOISER).config, guidance, len(batch))[0])
-        if args.negative_prompt:
-            kwargs["negative_prompt"] = [args.negative_prompt] * len(batch)
-        with torch.no_grad():
-            latents = pipe(
-                [prompt for prompt, _ in batch], height=height, width=width, num_inference_steps=steps,
-                generator=[torch.Generator().manual_seed(args.seed + j) for _, j in batch], output_type="latent",
-                **kwargs).images
-        images += decode_fp32(pipe, family.unpack_latents(pipe, latents, height, width))
+        images += draw_images(pipe, family, [prompt for prompt, _ in batch], [args.seed + j for _, j in batch], height,
+                              width, steps, guidance, args.negative_prompt, **kwargs)
         params += [{**common, "prompt": prompt, "seed": args.seed + j, "index": j, "height": image.height,
                     "width": image.width} for (prompt, j), image in zip(batch, images[first + start:])]
     return images, params

@@ -42,7 +42,7 @@ Flux.1-dev (bf16 base, gradient checkpointing; --quantize_base nf4 for the QLoRA
 Then:  python sample.py --model outputs/lora-naruto --prompt "a girl with pink hair"
 
 A copy also needs the module of its base's family: common/families/sd.py, sdxl.py, sd3.py or flux.py.
-Copy with: common/__init__.py, common/args.py, common/base_models.py, common/buckets.py, common/caption_files.py, common/checkpoints.py, common/cli.py, common/diffusion.py, common/distributed.py, common/families/__init__.py, common/fsdp.py, common/image_data.py, common/lora_adapters.py, common/lora_files.py, common/lora_metadata.py, common/objectives.py, common/optimizers.py, common/preemption.py, common/prompts.py, common/reporting.py, common/sgm_names.py, common/training.py, common/ui_lora.py, common/vae.py, common/validation_images.py, common/validation_loss.py
+Copy with: common/__init__.py, common/args.py, common/base_models.py, common/buckets.py, common/caption_files.py, common/checkpoints.py, common/cli.py, common/diffusion.py, common/distributed.py, common/drawing.py, common/dreambooth.py, common/families/__init__.py, common/fsdp.py, common/image_data.py, common/lora_adapters.py, common/lora_files.py, common/lora_metadata.py, common/objectives.py, common/optimizers.py, common/preemption.py, common/prompts.py, common/reporting.py, common/sgm_names.py, common/training.py, common/ui_lora.py, common/vae.py, common/validation_images.py, common/validation_loss.py
 """  # noqa: E501 (the copy list stays one line, for grep)
 import math
 import os
@@ -68,6 +68,7 @@ from common.buckets import check_bucket_resolution
 from common.caption_files import caption_folder_reader, check_caption_args
 from common.checkpoints import agreed_checkpoint, detect_shared_output_dir, read_checkpoint_info, resolve_resume
 from common.cli import quiet_loading_bars, run
+from common.dreambooth import add_dreambooth_args, check_dreambooth_args
 from common.lora_adapters import check_lora_args, check_resumed_lora, comma_list
 from common.lora_files import LORA_EMA_STATE
 from common.objectives import add_objective_args
@@ -82,6 +83,7 @@ def parse_args(argv=None):
     add_caption_args(g, caption_dropout_prob=0.0)
     add_latent_cache_args(g)
     add_bucket_args(g)
+    add_dreambooth_args(parser)
     g = parser.add_argument_group("model")
     add_base_model_args(g, SHIPPED_BASE, "A StableDiffusionPipeline, StableDiffusionXLPipeline, "
                                          "StableDiffusion3Pipeline or FluxPipeline: hub id or folder (default: the "
@@ -117,7 +119,9 @@ def parse_args(argv=None):
     add_checkpoint_args(parser, checkpointing_steps=500)
     add_logging_args(parser, project_name="train_lora")
     args = parser.parse_args(argv)
-    check_caption_args(args)
+    check_dreambooth_args(args)  # (--instance_data_dir: the training images)
+    if args.instance_data_dir is None:
+        check_caption_args(args)
     check_common_args(args)
     check_optimizer_args(args)
     family = check_base_args(args, "train_lora.py trains")  # None for a hub base: checked once it is fetched
@@ -180,6 +184,7 @@ def main(args):
     # <domain: data>
     from common.base_models import base_resolution, check_family_args
     from common.buckets import batching, bucket_images, validation_sizes
+    from common.dreambooth import PriorLoss, class_images, instance_reader, prior_batching, with_class_images
     from common.families import load_family, read_model_index
     from common.image_data import CachedLatents, Captions, collate_batch, image_datasets, require_columns
     from common.validation_images import check_validation_image_args
@@ -198,10 +203,15 @@ def main(args):
                        f"LoRA learns will show little at the base's own size (leave --resolution out to train at "
                        f"{native})")
     # held out: --validation_split's images, for val/loss; a folder without metadata: .txt captions
-    train_ds, held_out_ds = load_with_validation(args, read_folder=caption_folder_reader(args))
+    read_folder = instance_reader(args) if args.instance_data_dir else caption_folder_reader(args)
+    train_ds, held_out_ds = load_with_validation(args, read_folder=read_folder)
     require_columns(train_ds, image_column=args.image_column, caption_column=args.caption_column)
+    n_instance = len(train_ds)
+    if args.with_prior_preservation:  # DreamBooth: class images (the base draws the missing ones) after the instances
+        class_paths = class_images(args, accelerator, family, weight_dtype, logger)
+        train_ds, n_instance = with_class_images(train_ds, class_paths, args)
     # each image's captions as indices into the distinct prompts; the validation prompts are embedded with them
-    captions = Captions(args, train_ds, held_out_ds, extra=args.validation_prompt)
+    captions = Captions(args, train_ds, held_out_ds, extra=args.validation_prompt, prefixed=n_instance)
 
     sizes = held_out_sizes = None  # --buckets auto: each image's (height, width)
     if args.buckets == "auto":
@@ -272,6 +282,13 @@ def main(args):
         held_out, encode, vae.config, list(range(len(held_out))), objective, accelerator, args.seed,
         args.train_batch_size)
     loader_batches = batching(sizes, args.train_batch_size, args.seed, train_data)  # one bucket each with --buckets
+    prior = None  # DreamBooth: each batch instance images, then as many class images; the loss in two parts
+    if args.with_prior_preservation:
+        loader_batches = prior_batching(n_instance, len(train_ds) - n_instance, args.train_batch_size, args.seed,
+                                        train_data)
+        prior = PriorLoss(n_instance, args.prior_loss_weight, accelerator.device)
+        logger.info(f"prior preservation: each batch {args.train_batch_size} of the {n_instance} instance images, then "
+                    f"as many of the {len(train_ds) - n_instance} class images")
     if args.cache_latents:
         logger.info(f"caching the latents of {len(train_data)} images{' and their mirror images' * args.random_flip}")
         train_data = CachedLatents(train_data, encode, args.vae_encode_batch_size)
@@ -337,6 +354,7 @@ def main(args):
     init_trackers(accelerator, args)
     total_batch_size = args.train_batch_size * accelerator.num_processes * args.gradient_accumulation_steps
     # <domain: what this run trains>
+    total_batch_size *= 2 if prior else 1  # (DreamBooth: as many class images as instance images)
     logger.info(f"{len(train_data)} training images at {args.resolution} px, {captions.distinct} distinct captions, "
                 f"{num_trainable} LoRA parameters ({accelerator.mixed_precision} mixed precision: base {weight_dtype}, "
                 f"LoRA {lora_dtype}), {accelerator.num_processes} process(es), batch {total_batch_size}, "
@@ -401,7 +419,8 @@ def main(args):
                     noised = objective(sample_latents(params, vae.config))  # noisy input, timesteps, target, weights
                     cond = condition(captions.pick(batch["index"], epoch), batch["index"], train_data)
                     model_pred = family.denoise(denoiser, noised.noisy, noised.timesteps, cond, guidance)
-                    loss = objective.losses(model_pred, noised).mean()
+                    losses = objective.losses(model_pred, noised)  # per image
+                    loss = prior(losses, batch["index"], accelerator) if prior else losses.mean()  # DreamBooth: 2 parts
                     # </domain>
                     accelerator.backward(loss)
                     loss_sum += loss.detach() / args.gradient_accumulation_steps
@@ -432,6 +451,7 @@ def main(args):
                     # <domain: more to log>
                     if ema is not None and ema.cur_decay_value is not None:
                         logs["ema_decay"] = ema.cur_decay_value
+                    logs.update(prior.logs(accelerator) if prior else {})
                     # </domain>
                     accelerator.log(logs, step=global_step)
                     progress.set_postfix(loss=f"{last_loss:.4f}")
@@ -492,7 +512,7 @@ def lora_info(args):
             "train_text_encoder": args.train_text_encoder, "prediction_type": args.prediction_type,
             "max_sequence_length": args.max_sequence_length,  # T5's prompt length: sample.py's default too
             "ema_weights": args.use_ema,  # the weights in pytorch_lora_weights.safetensors are the EMA ones
-            "trigger": args.caption_prefix.strip(" ,") or None}  # --caption_prefix: what prompts need to show it
+            "trigger": args.instance_prompt or args.caption_prefix.strip(" ,") or None}  # what prompts need to show it
 
 
 if __name__ == "__main__":

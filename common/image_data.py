@@ -459,10 +459,13 @@ class Captions:
     (sorted, "" among them for caption dropout, `extra` too: the validation prompts), `index` (prompt -> id),
     `held_out_ids` (each held-out image's first caption), and `pick`, each training image's caption for an epoch."""
 
-    def __init__(self, args, train_ds, held_out_ds, extra=()):
+    def __init__(self, args, train_ds, held_out_ds, extra=(), prefixed=None):
         import torch
 
-        train = caption_lists(train_ds[args.caption_column], args.caption_column, prefix=args.caption_prefix)
+        values = train_ds[args.caption_column]  # --caption_prefix before the first `prefixed` rows' (default: all)
+        prefixed = len(values) if prefixed is None else prefixed
+        train = (caption_lists(values[:prefixed], args.caption_column, prefix=args.caption_prefix)
+                 + caption_lists(values[prefixed:], args.caption_column))
         held_out = (caption_lists(held_out_ds[args.caption_column], args.caption_column, prefix=args.caption_prefix)
                     if held_out_ds is not None else [])
         distinct = {c for options in train + held_out for c in options}

@@ -1,0 +1,20 @@
+"""Images from a text-to-image pipeline of any family, as sample.py draws them: one generator per image (so an image
+does not depend on the batch it is drawn in), latents decoded by the VAE in fp32. train_lora.py draws DreamBooth's
+class images with it too."""
+
+
+def draw_images(pipe, family, prompts, seeds, height, width, steps, guidance, negative_prompt=None, **kwargs):
+    """One batch: prompts[i] from torch.Generator().manual_seed(seeds[i]) -> PIL images. kwargs: the family's other
+    pipeline arguments (max_sequence_length, clip_skip, ...)."""
+    import torch
+
+    from .vae import decode_fp32
+
+    kwargs.update(family.guidance_kwargs(getattr(pipe, family.DENOISER).config, guidance, len(prompts))[0])
+    if negative_prompt:
+        kwargs["negative_prompt"] = [negative_prompt] * len(prompts)
+    with torch.no_grad():
+        latents = pipe(list(prompts), height=height, width=width, num_inference_steps=steps,
+                       generator=[torch.Generator().manual_seed(seed) for seed in seeds], output_type="latent",
+                       **kwargs).images
+    return decode_fp32(pipe, family.unpack_latents(pipe, latents, height, width))
