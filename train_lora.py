@@ -39,6 +39,9 @@ Flux.1-dev (bf16 base, gradient checkpointing; --quantize_base nf4 for the QLoRA
         --pretrained_model_name_or_path black-forest-labs/FLUX.1-dev <the same data flags> --resolution 1024 \
         --train_batch_size 1 --gradient_accumulation_steps 4 --mixed_precision bf16 --cache_latents \
         --gradient_checkpointing --rank 16 --learning_rate 1e-4 --output_dir outputs/lora-flux
+DreamBooth with prior preservation (diffusers' flags; the base draws the missing class images once):
+    <the launch above> --instance_data_dir dog --instance_prompt "a photo of sks dog" --with_prior_preservation \
+        --class_data_dir dog-class --class_prompt "a photo of a dog" --num_class_images 200   (make train-dreambooth)
 Then:  python sample.py --model outputs/lora-naruto --prompt "a girl with pink hair"
 
 A copy also needs the module of its base's family: common/families/sd.py, sdxl.py, sd3.py or flux.py.
