@@ -12,7 +12,7 @@ class_images.json) are used as they are.
 import json
 import os
 
-from .args import IMAGE_EXTENSIONS
+from .args import IMAGE_EXTENSIONS, check_writable
 from .cli import UserError
 
 MANIFEST = "class_images.json"
@@ -74,8 +74,11 @@ def check_dreambooth_args(args):
                                 "its images are kept)")
         if args.buckets == "auto":
             raise UserError("--with_prior_preservation trains with square class images: leave out --buckets auto")
-        if os.path.exists(args.class_data_dir) and not os.path.isdir(args.class_data_dir):
-            raise UserError(f"--class_data_dir '{args.class_data_dir}' is a file; give a folder")
+        folder = args.class_data_dir
+        if not os.path.isdir(folder) or len(image_files(folder)) < args.num_class_images:  # some will be drawn
+            check_writable(folder, "--class_data_dir")
+        if os.path.isdir(folder):
+            read_manifest(folder)
     elif given:
         raise UserError(f"--{given[0]} is for prior preservation: add --with_prior_preservation, or leave it out")
     if (args.instance_data_dir is None) != (args.instance_prompt is None):

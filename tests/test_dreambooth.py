@@ -108,18 +108,26 @@ def test_class_images_drawn_once_equal_on_two_processes_and_reused(instances, tm
     assert not (tmp_path / "out-other").exists()
 
 
-def test_shipped_sd_base_trains_with_class_images_of_its_own(instances, tmp_path):
+def test_shipped_sd_base_trains_with_class_images_of_its_own_and_resumes_exactly(instances, tmp_path):
     """A UNet base: class images drawn by SD's pipeline at the training size; user images in --class_data_dir (no
-    class_images.json) are used as they are and only the missing ones drawn."""
+    class_images.json) are used as they are and only the missing ones drawn. A resume from mid-epoch (step 3 of 2
+    batches an epoch) ends with the uninterrupted run's losses and LoRA weights."""
+    from safetensors.torch import load_file
+
     classes = tmp_path / "class"
     classes.mkdir()
     Image.new("RGB", (32, 32), (0, 0, 0)).save(classes / "mine.png")
-    proc = launch("train_lora.py", *dreambooth(instances, classes, SD, "--num_class_images", "3"),
-                  "--output_dir", tmp_path / "out")
+    args = dreambooth(instances, classes, SD, "--num_class_images", "3", "--max_train_steps", "4",
+                      "--checkpointing_steps", "3", "--random_flip")
+    proc = launch("train_lora.py", *args, "--output_dir", tmp_path / "out")
     assert "drawing 2 class images" in proc.stderr
     assert sorted(p.name for p in classes.glob("*.png")) == ["class-00000.png", "class-00001.png", "mine.png"]
     assert Image.open(classes / "class-00000.png").size == (32, 32)
-    assert (tmp_path / "out" / "pytorch_lora_weights.safetensors").is_file()
+    shutil.copytree(tmp_path / "out" / "checkpoint-3", tmp_path / "resumed" / "checkpoint-3")
+    launch("train_lora.py", *args, "--output_dir", tmp_path / "resumed", "--resume_from_checkpoint", "latest")
+    assert logged_losses(tmp_path / "resumed")[4] == logged_losses(tmp_path / "out")[4]
+    a, b = (load_file(tmp_path / run / "pytorch_lora_weights.safetensors") for run in ("out", "resumed"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 @pytest.mark.parametrize("name", ["tiny_sdxl", "tiny_sd3"])
