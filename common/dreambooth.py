@@ -5,9 +5,9 @@ half class) so that the class keeps what the base drew for it. The loss is insta
 each the mean over its half, both logged.
 
 Class images are drawn once, with sample.py's sampler, steps and guidance, image i from seed + i, in fixed batches
-shared out between processes (so 1 or N processes draw the same images), written by the main process with
-class_images.json (what drew them), and reused by the next run. Images of your own in --class_data_dir (no
-class_images.json) are used as they are.
+shared out between processes (so 1 or N processes draw the same images), written with class_images.json (what drew
+them) by each machine's main process (machines without a shared disk each keep a copy), and reused by the next run.
+Images of your own in --class_data_dir (no class_images.json) are used as they are.
 """
 import json
 import os
@@ -135,16 +135,14 @@ def class_images(args, accelerator, family, dtype, logger):
             number += 1
         logger.info(f"drawing {missing} class images of '{args.class_prompt}' into {folder}")
         drawn = draw_class_images(args, accelerator, family, dtype, names)
-        if accelerator.is_main_process:
-            os.makedirs(folder, exist_ok=True)
-            for name, data in drawn:
-                with open(os.path.join(folder, name + ".tmp"), "wb") as f:
-                    f.write(data)
-                os.replace(os.path.join(folder, name + ".tmp"), os.path.join(folder, name))
+        if accelerator.is_local_main_process:  # each machine's (the same bytes: a disk they share gets them twice)
             record = {"drawn_by": wanted, "images": sorted((manifest or {}).get("images", []) + [n for n, _ in drawn])}
-            with open(os.path.join(folder, MANIFEST + ".tmp"), "w") as f:
-                json.dump(record, f, indent=2)
-            os.replace(os.path.join(folder, MANIFEST + ".tmp"), os.path.join(folder, MANIFEST))
+            os.makedirs(folder, exist_ok=True)
+            for name, data in [*drawn, (MANIFEST, json.dumps(record, indent=2).encode())]:
+                temporary = os.path.join(folder, f"{name}.{os.getpid()}.tmp")
+                with open(temporary, "wb") as f:
+                    f.write(data)
+                os.replace(temporary, os.path.join(folder, name))
         existing = sorted(existing + [n for n, _ in drawn])
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
