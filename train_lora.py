@@ -45,7 +45,7 @@ DreamBooth with prior preservation (diffusers' flags; the base draws the missing
 Then:  python sample.py --model outputs/lora-naruto --prompt "a girl with pink hair"
 
 A copy also needs the module of its base's family: common/families/sd.py, sdxl.py, sd3.py or flux.py.
-Copy with: common/__init__.py, common/args.py, common/base_models.py, common/buckets.py, common/caption_files.py, common/checkpoints.py, common/cli.py, common/diffusion.py, common/distributed.py, common/drawing.py, common/dreambooth.py, common/families/__init__.py, common/fsdp.py, common/image_data.py, common/lora_adapters.py, common/lora_files.py, common/lora_metadata.py, common/objectives.py, common/optimizers.py, common/preemption.py, common/prompts.py, common/reporting.py, common/sgm_names.py, common/training.py, common/ui_lora.py, common/vae.py, common/validation_images.py, common/validation_loss.py
+Copy with: common/__init__.py, common/args.py, common/base_models.py, common/buckets.py, common/caption_files.py, common/checkpoints.py, common/cli.py, common/diffusion.py, common/distributed.py, common/drawing.py, common/dreambooth.py, common/families/__init__.py, common/fsdp.py, common/image_data.py, common/lora_adapters.py, common/lora_files.py, common/lora_metadata.py, common/loss_masks.py, common/objectives.py, common/optimizers.py, common/preemption.py, common/prompts.py, common/reporting.py, common/sgm_names.py, common/training.py, common/ui_lora.py, common/vae.py, common/validation_images.py, common/validation_loss.py
 """  # noqa: E501 (the copy list stays one line, for grep)
 import math
 import os
@@ -58,6 +58,7 @@ from common.args import (
     add_data_args,
     add_latent_cache_args,
     add_logging_args,
+    add_mask_args,
     add_training_args,
     check_bucket_args,
     check_common_args,
@@ -74,6 +75,7 @@ from common.cli import quiet_loading_bars, run
 from common.dreambooth import add_dreambooth_args, check_dreambooth_args
 from common.lora_adapters import check_lora_args, check_resumed_lora, comma_list
 from common.lora_files import LORA_EMA_STATE
+from common.loss_masks import check_mask_args, latent_mask
 from common.objectives import add_objective_args
 from common.optimizers import OPTIMIZERS, add_optimizer_args, check_optimizer_args
 from common.training import add_ema_args, check_resumed_ema, ema_weights
@@ -86,6 +88,7 @@ def parse_args(argv=None):
     add_caption_args(g, caption_dropout_prob=0.0)
     add_latent_cache_args(g)
     add_bucket_args(g)
+    add_mask_args(g)
     add_dreambooth_args(parser)
     g = parser.add_argument_group("model")
     add_base_model_args(g, SHIPPED_BASE, "A StableDiffusionPipeline, StableDiffusionXLPipeline, "
@@ -130,6 +133,7 @@ def parse_args(argv=None):
     family = check_base_args(args, "train_lora.py trains")  # None for a hub base: checked once it is fetched
     args.lora_alpha = args.lora_alpha or args.rank
     check_bucket_args(args)
+    check_mask_args(args)  # --masked_loss: each image's mask file (or alpha channel)
     if args.buckets == "auto" and family:  # a hub base: once loaded
         check_bucket_resolution(args.resolution, size_factor(args.pretrained_model_name_or_path, family))
     check_lora_args(args, family)  # (a hub base: its family's defaults in main)
@@ -222,7 +226,8 @@ def main(args):
             path, family, args.revision, args.cache_dir))
         logger.info(f"aspect-ratio buckets at {args.resolution} px:\n{table}")
     with accelerator.main_process_first():  # (SDXL: each image's original size too, for its time ids)
-        train_data, held_out = image_datasets(args, train_ds, held_out_ds, sizes, held_out_sizes, family.TIME_IDS)
+        train_data, held_out = image_datasets(args, train_ds, held_out_ds, sizes, held_out_sizes, family.TIME_IDS,
+                                              masked_rows=n_instance)  # (class images: no masks)
     # </domain>
 
     # 3. Model: the base frozen in the weight dtype (the VAE in fp32: fp16 decodes overflow), LoRA adapters in fp32.
@@ -422,7 +427,8 @@ def main(args):
                     noised = objective(sample_latents(params, vae.config))  # noisy input, timesteps, target, weights
                     cond = condition(captions.pick(batch["index"], epoch), batch["index"], train_data)
                     model_pred = family.denoise(denoiser, noised.noisy, noised.timesteps, cond, guidance)
-                    losses = objective.losses(model_pred, noised)  # per image
+                    mask = latent_mask(batch.get("mask"), model_pred)  # --masked_loss: on the latent grid
+                    losses = objective.losses(model_pred, noised, mask)  # per image
                     loss = prior(losses, batch["index"], accelerator) if prior else losses.mean()  # DreamBooth: 2 parts
                     # </domain>
                     accelerator.backward(loss)

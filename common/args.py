@@ -275,6 +275,18 @@ def add_bucket_args(group):
                             "--validation_steps.")
 
 
+def add_mask_args(group):
+    """--masked_loss and --mask_data_dir of train_lora.py's data group (common/loss_masks.py)."""
+    group.add_argument("--masked_loss", action="store_true",
+                       help="Weight each image's per-pixel loss by a mask (white: trained, black: ignored, grey: in "
+                            "between; kohya's flag): the image's file in --mask_data_dir, else its alpha channel.")
+    group.add_argument("--mask_data_dir", default=None,
+                       help="--masked_loss: a folder of masks, each named as its image in --train_data_dir (same "
+                            "relative path, any image extension) and of its size; a folder of its own, so the masks "
+                            "are never read as training images (kohya's conditioning_data_dir). Without it each "
+                            "image's alpha channel is its mask.")
+
+
 def add_latent_cache_args(group):
     """--cache_latents of the Stable Diffusion trainers, and the batch its VAE encoding runs at (diffusers' name)."""
     group.add_argument("--cache_latents", action="store_true",

@@ -5,7 +5,8 @@ only crops, flips and normalizes tensors; larger sets are decoded per item, in d
 Any PIL mode is accepted (converted to RGB). A file that cannot be decoded stops the run with one line naming it,
 never skipped silently (a skipped image would change the data and its labels without a word): with the decode-once
 cache, before training starts. CachedLatents (--cache_latents of the Stable Diffusion trainers) holds each image's
-VAE latent distribution instead of its pixels.
+VAE latent distribution instead of its pixels. A loss mask (common/loss_masks.py) is decoded with its image as a
+fourth channel, so every resize, crop and flip of the image is the mask's too.
 """
 import contextlib
 import io
@@ -16,6 +17,7 @@ import torch
 from PIL import Image, UnidentifiedImageError
 
 from .cli import UserError, first_line, one_line
+from .loss_masks import dataset_masks
 
 logger = logging.getLogger(__name__)
 
@@ -127,15 +129,52 @@ def _open(value):
     return image
 
 
-def decode_image(value, resolution, index=None):
+def decode_image(value, resolution, index=None, mask=None):
     """A datasets Image value -> uint8 tensor [3, H, W]: with an int `resolution` min(H, W) == resolution; with a
     (height, width) bucket, resized to cover it and center-cropped to it. A file that PIL cannot decode
-    (corrupt, truncated, not an image, an unconvertible mode) is a one-line error naming it and what to do."""
+    (corrupt, truncated, not an image, an unconvertible mode) is a one-line error naming it and what to do.
+    mask: the image's loss mask ("alpha", "ones" or a mask file: mask_image), resized and cropped alike as a fourth
+    channel: [4, H, W]."""
     with readable(value, index):
         image = _open(value)
-        if isinstance(resolution, int):
-            return resize_shorter_side(image, resolution)
-        return resize_to_bucket(image, resolution)
+        resize = resize_shorter_side if isinstance(resolution, int) else resize_to_bucket
+        pixels = resize(image, resolution)
+        if mask is None:
+            return pixels
+        return torch.cat([pixels, resize(mask_image(image, mask, image_name(value, index)), resolution)[:1]])
+
+
+def has_alpha(image):
+    return image.mode in ("RGBA", "LA", "PA", "RGBa", "La") or (image.mode == "P" and "transparency" in image.info)
+
+
+def mask_image(image, source, name):
+    """The PIL mask ("L") of PIL `image` (named `name` in errors): its alpha channel (source "alpha"), all ones
+    ("ones"), or the grey value of the mask file `source`. A mask that is all black trains nothing: one line."""
+    from PIL import Image
+
+    if source == "ones":
+        return Image.new("L", image.size, 255)
+    if source == "alpha":
+        if not has_alpha(image):
+            raise UserError(f"image {name} has no alpha channel to mask its loss with; give --mask_data_dir (a mask "
+                            "per image) or save the images with transparency")
+        mask = image.convert("RGBA").getchannel("A")
+    else:
+        with readable({"path": source}):
+            mask = Image.open(source)
+            mask.load()
+            if has_alpha(mask):  # the mask is its grey value: its own transparency means nothing here
+                mask = mask.convert("RGBA").convert("RGB")
+            mask = to_rgb(mask).convert("L")
+        if mask.size != image.size:
+            raise UserError(f"mask '{source}' is {mask.size[0]}x{mask.size[1]} px but its image {name} is "
+                            f"{image.size[0]}x{image.size[1]}; a mask must have its image's size")
+    if mask.getextrema()[1] == 0:
+        what = f"the alpha channel of image {name}" if source == "alpha" else f"mask '{source}'"
+        raise UserError(f"{what} is black everywhere: the image would train nothing; fix the mask or leave the image "
+                        "out")
+    return mask
 
 
 def image_name(value, index=None):
@@ -217,11 +256,14 @@ class ImageDataset(torch.utils.data.Dataset):
     Random crops and flips are drawn from (seed, epoch, index), not from the global RNG: the dataloader fetches
     ahead of the step, so global draws made here would differ between an uninterrupted and a resumed run.
     Call `set_epoch` at the start of every epoch.
+    masks (--masked_loss): items get "mask", float [1, R, R] in [0, 1], cropped and flipped with the pixels: None (no
+    masks), "alpha" (each image's alpha channel), "ones" (all ones: a dataset that has no masks, e.g. DreamBooth's
+    class images, beside one that has), or a list of mask files, one per image (common/loss_masks.py).
     """
 
     def __init__(self, dataset, image_column, resolution, center_crop=True, random_flip=False,
                  mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5), columns=None, seed=0, cache_limit_gb=4.0, sizes=None,
-                 original_sizes=None):
+                 original_sizes=None, masks=None):
         import datasets
 
         self.images = dataset.cast_column(image_column, datasets.Image(decode=False))[image_column]
@@ -232,10 +274,11 @@ class ImageDataset(torch.utils.data.Dataset):
         self.scale = 1 / (torch.tensor(std, dtype=torch.float32).view(3, 1, 1) * 255)
         self.shift = -torch.tensor(mean, dtype=torch.float32).view(3, 1, 1) / torch.tensor(std).view(3, 1, 1)
         self.seed, self.epoch = seed, 0
+        self.masks = masks
         self.cache = None
-        if len(self.images) * 3 * resolution * resolution <= cache_limit_gb * 2**30:
+        if len(self.images) * (3 + (masks is not None)) * resolution * resolution <= cache_limit_gb * 2**30:
             values = self.images[:]  # the whole column in one read (row by row is far slower)
-            self.cache = stack_if_uniform([decode_image(value, self.target(i), i) for i, value in enumerate(values)])
+            self.cache = stack_if_uniform([self._decode(i, value) for i, value in enumerate(values)])
 
     def target(self, index):
         """Item `index`'s training size: its bucket, else the resolution (an int: square crops)."""
@@ -245,8 +288,12 @@ class ImageDataset(torch.utils.data.Dataset):
         """(height, width) of item `index` as trained: its bucket, else R x R."""
         return tuple(self.sizes[index]) if self.sizes is not None else (self.resolution, self.resolution)
 
-    def _decode(self, index):
-        return decode_image(self.images[index], self.target(index), index)
+    def mask_source(self, index):
+        return self.masks[index] if isinstance(self.masks, list) else self.masks
+
+    def _decode(self, index, value=None):
+        value = self.images[index] if value is None else value
+        return decode_image(value, self.target(index), index, self.mask_source(index))
 
     def set_epoch(self, epoch):
         self.epoch = epoch
@@ -278,7 +325,8 @@ class ImageDataset(torch.utils.data.Dataset):
         return (*fixed, False) if fixed else self.augmentation(index, h, w)
 
     def crop(self, index):
-        """Item `index` as uint8 [3, R, R] (or its bucket's size), cropped and flipped for the current epoch."""
+        """Item `index` as uint8 [3, R, R] (or its bucket's size; 4 channels with masks), cropped and flipped for the
+        current epoch."""
         pixels = self.cache[index] if self.cache is not None else self._decode(index)
         rh, rw = self.crop_size(index)
         _, h, w = pixels.shape
@@ -304,8 +352,8 @@ class ImageDataset(torch.utils.data.Dataset):
             rows.append((oh, ow, top, w - left - rw if flip else left, rh, rw))
         return torch.tensor(rows, dtype=torch.float32)
 
-    def item(self, index, pixel_values):
-        item = {"pixel_values": pixel_values}
+    def item(self, index, pixels):
+        item = self.pixels_and_mask(pixels)
         for name, values in self.columns.items():
             item[name] = values[index]
         return item
@@ -314,8 +362,16 @@ class ImageDataset(torch.utils.data.Dataset):
         """uint8 [..., 3, H, W] -> float32 normalized with mean and std."""
         return pixels.float().mul_(self.scale).add_(self.shift)
 
+    def pixels_and_mask(self, pixels):
+        """uint8 [..., 3 or 4, H, W] -> {"pixel_values": normalized} and, with masks, "mask": [..., 1, H, W] in
+        [0, 1]."""
+        out = {"pixel_values": self.normalize(pixels[..., :3, :, :])}
+        if self.masks is not None:
+            out["mask"] = pixels[..., 3:, :, :].float().div_(255)
+        return out
+
     def __getitem__(self, index):
-        return self.item(index, self.normalize(self.crop(index)))
+        return self.item(index, self.crop(index))
 
     def __getitems__(self, indices):
         """The DataLoader's whole batch at once (give it collate_fn=collate_batch): what default_collate makes of
@@ -330,7 +386,7 @@ class ImageDataset(torch.utils.data.Dataset):
             pixels = self.cache.index_select(0, index)[:, :, top:top + rh, left:left + rw]
         else:
             pixels = torch.stack([self.crop(i) for i in indices])
-        return {"pixel_values": self.normalize(pixels),
+        return {**self.pixels_and_mask(pixels),
                 **{name: gather(values, index) for name, values in self.columns.items()}}
 
 
@@ -365,30 +421,43 @@ class CachedLatents:
 
     Items {"latent_params", "index"}; the flip of each item is drawn exactly as ImageDataset draws it (same seed,
     epoch and index), so a cached run sees the same data as an uncached one. encode(pixels) -> parameters; images
-    are encoded `batch_size` at a time, a bucket at a time.
+    are encoded `batch_size` at a time, a bucket at a time. With masks, "mask" too: each view's mask averaged down to
+    its latent grid (common/loss_masks.py: latent_mask), cached with its latent.
     """
 
     def __init__(self, images, encode, batch_size):
         import torch
 
+        from .loss_masks import latent_mask
+
         self.images = images
         groups = {}
         for i in range(len(images)):
             groups.setdefault(images.crop_size(i), []).append(i)
-        params = [None] * len(images)
+        params, masks = [None] * len(images), [None] * len(images)
         for members in groups.values():
             for start in range(0, len(members), batch_size):
                 chunk = members[start:start + batch_size]
-                pixels = []
-                for i in chunk:
-                    x = images[i]["pixel_values"]
-                    pixels.append(x.flip(-1) if self.flipped(i) else x)  # the unflipped image
-                pixels = torch.stack(pixels)
+                items = [images[i] for i in chunk]
+                flips = [self.flipped(i) for i in chunk]
+
+                def unflipped(name):  # the items' images (or masks) as they are, unflipped: [B, C, H, W]
+                    return torch.stack([item[name].flip(-1) if f else item[name] for item, f in zip(items, flips)])
+
+                pixels = unflipped("pixel_values")
                 views = [pixels, pixels.flip(-1)] if images.random_flip else [pixels]
-                for i, p in zip(chunk, torch.stack([encode(v).cpu() for v in views], dim=1)):
-                    params[i] = p
-        # [N, views, 2 * latent channels, h, w] when every image has one size, else a list (buckets)
+                latents = torch.stack([encode(v).cpu() for v in views], dim=1)
+                for n, i in enumerate(chunk):
+                    params[i] = latents[n]
+                if images.masks is not None:  # each view's mask on its latent grid
+                    mask = unflipped("mask")
+                    views = [mask, mask.flip(-1)] if images.random_flip else [mask]
+                    grid = torch.stack([latent_mask(v, latents[:, 0]).cpu() for v in views], dim=1)
+                    for n, i in enumerate(chunk):
+                        masks[i] = grid[n]
+        # [N, views, 2 * latent channels, h, w] when every image has one size, else a list (buckets); masks alike
         self.params = torch.stack(params) if len(groups) == 1 else params
+        self.masks = None if images.masks is None else torch.stack(masks) if len(groups) == 1 else masks
         images.cache = None  # the decoded images are not needed any more
 
     def set_epoch(self, epoch):
@@ -413,17 +482,24 @@ class CachedLatents:
         return torch.tensor([int(self.flipped(i)) for i in indices])
 
     def __getitem__(self, index):
-        return {"latent_params": self.params[index][self.views([index])[0]], "index": index}
+        view = self.views([index])[0]
+        item = {"latent_params": self.params[index][view], "index": index}
+        if self.masks is not None:
+            item["mask"] = self.masks[index][view]
+        return item
 
     def __getitems__(self, indices):
         """The DataLoader's whole batch (collate_fn=common.image_data.collate_batch): one gather, no dict per item."""
         import torch
 
         index, views = torch.as_tensor(indices), self.views(indices)
-        if isinstance(self.params, torch.Tensor):
-            return {"latent_params": self.params[index, views], "index": index}
-        return {"latent_params": torch.stack([self.params[i][v] for i, v in zip(indices, views.tolist())]),
-                "index": index}
+        batch = {"index": index}
+        for name, cached in (("latent_params", self.params), ("mask", self.masks)):
+            if isinstance(cached, torch.Tensor):
+                batch[name] = cached[index, views]
+            elif cached is not None:
+                batch[name] = torch.stack([cached[i][v] for i, v in zip(indices, views.tolist())])
+        return batch
 
 
 def caption_lists(values, column, prefix=""):
@@ -438,19 +514,22 @@ def caption_lists(values, column, prefix=""):
     return lists
 
 
-def image_datasets(args, train_ds, held_out_ds, sizes=None, held_out_sizes=None, time_ids=False):
+def image_datasets(args, train_ds, held_out_ds, sizes=None, held_out_sizes=None, time_ids=False, masked_rows=None):
     """The ImageDatasets of a text-to-image run: the training images (--center_crop or random crops, --random_flip,
     each image's index as a column), the held-out ones (center crops, no flips) or None; `sizes`/`held_out_sizes`:
-    each image's bucket (--buckets auto); `time_ids`: each image's original size kept, for SDXL's time ids."""
+    each image's bucket (--buckets auto); `time_ids`: each image's original size kept, for SDXL's time ids; with
+    --masked_loss each image's mask (common/loss_masks.py), the held-out images' too; `masked_rows`: only the first
+    training rows have masks (DreamBooth's class images after them train everywhere)."""
     def originals(dataset):
         return image_sizes(dataset, args.image_column)[0] if time_ids else None
 
     train = ImageDataset(train_ds, args.image_column, args.resolution, center_crop=args.center_crop,
                          random_flip=args.random_flip, columns={"index": torch.arange(len(train_ds))}, seed=args.seed,
-                         sizes=sizes, original_sizes=originals(train_ds))
+                         sizes=sizes, original_sizes=originals(train_ds),
+                         masks=dataset_masks(args, train_ds, masked_rows))
     held_out = None if held_out_ds is None else ImageDataset(
         held_out_ds, args.image_column, args.resolution, center_crop=True, seed=args.seed, sizes=held_out_sizes,
-        original_sizes=originals(held_out_ds))
+        original_sizes=originals(held_out_ds), masks=dataset_masks(args, held_out_ds))
     return train, held_out
 
 

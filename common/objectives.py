@@ -13,6 +13,8 @@ compute_loss_weighting_for_sd3 (sigma_sqrt, cosmap; 1 otherwise). With precondit
 output is turned into an estimate of x0, x_t - sigma * output, and compared with x0.
 
 Latents are [B, C, H, W] for every family (Flux packs them inside its denoiser call); losses are per-sample means.
+A loss mask (--masked_loss, common/loss_masks.py) [B, 1, H, W] on the latent grid weights each element's squared error
+before that mean (not divided by the mask's sum, as kohya's sd-scripts): an all-ones mask is the plain loss.
 """
 from typing import NamedTuple
 
@@ -120,9 +122,9 @@ class DDPM:
                                       self.scheduler.config.prediction_type)
         return Noised(noisy, timesteps, target, weights, None)
 
-    def losses(self, prediction, noised):
-        """Per-sample (weighted) mean squared error [B]."""
-        return weighted_mse(prediction, noised.target, noised.weights)
+    def losses(self, prediction, noised, mask=None):
+        """Per-sample (weighted) mean squared error [B]; `mask` [B, 1, H, W] weights each element."""
+        return weighted_mse(prediction, noised.target, noised.weights, mask)
 
     def describe(self):
         snr = f", min-SNR gamma {self.snr_gamma:g}" if self.snr_gamma else ""
@@ -175,20 +177,25 @@ class FlowMatching:
             weights = compute_loss_weighting_for_sd3(self.weighting_scheme, sigmas).flatten()
         return Noised(noisy, self.timesteps[indices].to(latents.device), target, weights, sigmas)
 
-    def losses(self, prediction, noised):
-        """Per-sample (weighted) mean squared error [B], on x0 estimates with precondition_outputs."""
+    def losses(self, prediction, noised, mask=None):
+        """Per-sample (weighted) mean squared error [B], on x0 estimates with precondition_outputs; `mask` [B, 1, H, W]
+        weights each element."""
         if self.precondition_outputs:
             prediction = prediction.float() * -noised.sigmas + noised.noisy.float()
-        return weighted_mse(prediction, noised.target, noised.weights)
+        return weighted_mse(prediction, noised.target, noised.weights, mask)
 
     def describe(self):
         target = "x0 (preconditioned outputs)" if self.precondition_outputs else "noise - x0"
         return f"flow matching, {self.weighting_scheme} weighting, target {target}"
 
 
-def weighted_mse(prediction, target, weights=None):
-    """Mean squared error over each sample (in fp32), times its weight when there are weights: [B]."""
+def weighted_mse(prediction, target, weights=None, mask=None):
+    """Mean squared error over each sample (in fp32), each element's times `mask` (broadcast) when there is one, the
+    sample's times its weight when there are weights: [B]."""
     import torch.nn.functional as F
 
-    loss = F.mse_loss(prediction.float(), target.float(), reduction="none").mean(dim=tuple(range(1, target.ndim)))
+    loss = F.mse_loss(prediction.float(), target.float(), reduction="none")
+    if mask is not None:
+        loss = loss * mask.float()
+    loss = loss.mean(dim=tuple(range(1, target.ndim)))
     return loss if weights is None else loss * weights.float()

@@ -4,7 +4,8 @@ validation to the next (a rising one is over-fitting) and between runs on the sa
 
 Every held-out image is seen at TIMESTEPS timesteps (DDPM) or sigmas (flow matching), one in each equal slice of the
 schedule, spread over the images; the latent is the mean of the VAE's latent distribution (no sampling), the noise
-comes from a generator seeded once, and the loss is the objective's (common/objectives.py), unweighted.
+comes from a generator seeded once, and the loss is the objective's (common/objectives.py), unweighted, masked as
+training masks it when the held-out images have loss masks (--masked_loss: the loss of what the run learns).
 The images are shared out between processes and the sums reduced, so the value does not depend on the process count
 beyond float rounding.
 """
@@ -46,25 +47,29 @@ class HeldOutLoss:
     def __init__(self, held_out, encode, vae_config, prompt_ids, objective, accelerator, seed, batch_size):
         import torch
 
+        from .loss_masks import latent_mask
         from .vae import mean_latents
 
         n, k = len(held_out), TIMESTEPS
         self.accelerator, self.batch_size, self.objective = accelerator, batch_size, objective
         generator = torch.Generator().manual_seed(seed)
-        items = []  # (latent, noise, fraction of the schedule, prompt id) of this process's share, grouped by shape
+        # (latent, noise, fraction of the schedule, prompt id, loss mask or None) of this process's share, by shape
+        items = []
         for i in range(n):
-            latent = mean_latents(encode(held_out[i]["pixel_values"][None])[0].cpu().float(), vae_config)
+            image = held_out[i]
+            latent = mean_latents(encode(image["pixel_values"][None])[0].cpu().float(), vae_config)
+            mask = latent_mask(image["mask"][None], latent[None])[0].cpu() if "mask" in image else None
             for j in range(k):
                 noise = torch.randn(latent.shape, generator=generator)  # drawn for every item on every process
                 if (i * k + j) % accelerator.num_processes == accelerator.process_index:
-                    items.append((latent, noise, (j + (i + 0.5) / n) / k, prompt_ids[i]))
+                    items.append((latent, noise, (j + (i + 0.5) / n) / k, prompt_ids[i], mask))
         self.batches = []
         for shape in sorted({tuple(item[0].shape) for item in items}):
             same = [item for item in items if tuple(item[0].shape) == shape]
             for start in range(0, len(same), batch_size):
-                latents, noise, fractions, ids = zip(*same[start:start + batch_size])
+                latents, noise, fractions, ids, masks = zip(*same[start:start + batch_size])
                 self.batches.append((torch.stack(latents), torch.stack(noise), objective.fixed_timesteps(fractions),
-                                     torch.tensor(ids)))
+                                     torch.tensor(ids), None if masks[0] is None else torch.stack(masks)))
         self.count = n * k
         self.losses = {}  # step -> val/loss, as logged
 
@@ -82,12 +87,15 @@ class HeldOutLoss:
         over all items."""
         import torch
 
+        from .loss_masks import latent_mask
+
         device, training = self.accelerator.device, model.training
         model.eval()
         total = torch.zeros((), device=device, dtype=torch.float64)
         with torch.no_grad(), self.accelerator.autocast():
-            for latents, noise, timesteps, ids in self.batches:
+            for latents, noise, timesteps, ids, masks in self.batches:
                 noised = self.objective.at(latents.to(device), noise.to(device), timesteps, weighted=False)
-                total += self.objective.losses(predict(noised.noisy, noised.timesteps, embed(ids)), noised).sum()
+                prediction = predict(noised.noisy, noised.timesteps, embed(ids))
+                total += self.objective.losses(prediction, noised, latent_mask(masks, prediction)).sum()
         model.train(training)
         return (self.accelerator.reduce(total, "sum") / self.count).item()

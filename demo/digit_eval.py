@@ -6,6 +6,10 @@
 - style rate: the share of samples in the red-ink style: a light background (median luminance > 0.6) and reddish
   dark strokes (mean R - mean(G, B) > 0.25 over the darkest 15 % of the pixels). The red-ink digits themselves all
   pass (median luminance 0.83, redness 0.46), the white-on-black ones none (0.14, 0.0).
+- colours: the background (paper) colour, the median RGB of each sample's outer frame (1/16 of its width: the digits
+  are centred), and the stroke colour, the mean RGB of the 15 % of its pixels farthest from that background, averaged
+  over the samples (0-255). The red-ink data: paper (240, 235, 220), ink up to (170, 20, 20); the base's digits:
+  white strokes on black.
 Samples: `per_digit` images per digit prompt, seeds 0, 1, ... (one generator per image, so an image does not depend
 on the batch it is drawn in), the pipeline's scheduler as given.
 """
@@ -53,6 +57,19 @@ def style_stats(x, dark_fraction=0.15):
     return lum.median(1).values, dark[:, 0] - dark[:, 1:].mean(1)
 
 
+def colour_stats(x, frame=1 / 16, stroke_fraction=0.15):
+    """-> (background RGB [N, 3], stroke RGB [N, 3]) in [0, 1] of images x [N, 3, H, W] (see the module's doc)."""
+    n, _, h, w = x.shape
+    k = max(1, round(frame * w))
+    ring = torch.ones(h, w, dtype=torch.bool)
+    ring[k:h - k, k:w - k] = False
+    background = x[:, :, ring].median(2).values
+    distance = (x - background[:, :, None, None]).norm(dim=1).flatten(1)
+    far = distance.topk(max(1, int(stroke_fraction * h * w)), dim=1).indices
+    strokes = torch.gather(x.flatten(2), 2, far[:, None].expand(-1, 3, -1)).mean(2)
+    return background, strokes
+
+
 def in_style(x):
     median, redness = style_stats(x)
     return (median > 0.6) & (redness > 0.25)
@@ -85,8 +102,12 @@ class Judge:
 
 
 def score(images, labels, judge):
-    """-> {"content": share recognised, "style_rate": share in style, "per_digit": content per digit}."""
+    """-> {"content": share recognised, "style_rate": share in style, "background_rgb" and "stroke_rgb" (0-255, the
+    samples' mean), "per_digit": content per digit}."""
     correct = judge.predict(images) == labels
+    background, strokes = colour_stats(images)
     return {"content": round(correct.float().mean().item(), 4),
             "style_rate": round(in_style(images).float().mean().item(), 4),
+            "background_rgb": [round(v) for v in (background.mean(0) * 255).tolist()],
+            "stroke_rgb": [round(v) for v in (strokes.mean(0) * 255).tolist()],
             "per_digit": [round(correct[labels == d].float().mean().item(), 2) for d in range(10)]}

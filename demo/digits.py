@@ -6,6 +6,8 @@ text three times and three times with a suffix of neutral words (", thin scanned
 (the base learns to read the digit word whatever follows it, so that a LoRA's style words do not drown it).
 data/digits-red-ink/{train,test}/: the same digits in a style the base never sees, dark red ink on light paper,
 captioned "a handwritten digit seven, red ink on paper": the style LoRA's data.
+data/digits-red-ink-masks/{train,test}/: a loss mask per red-ink image, same name (train_lora.py --masked_loss
+--mask_data_dir): white on the digit's strokes (ink at least a quarter strength), black on the bare paper.
 data/digits-captions/<digit>/: the train split's images again, each with a same-name .txt of its captions (the
 metadata's `captions`, one per line): the caption-file layout that the Stable Diffusion trainers read too (every line
 with --enable_wildcard, else the first).
@@ -20,6 +22,7 @@ from PIL import Image
 
 NAMES = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
 PAPER, INK = (240, 235, 220), (170, 20, 20)  # the red-ink style (RGB)
+STROKE = 64  # the masks' threshold on the stroke intensity (0-255)
 STYLE = ", red ink on paper"
 # Neutral words for the caption suffixes; none of the style's words (red, ink, paper) is among them.
 SUFFIX_WORDS = ("thin bold small large scanned blurry sharp neat messy quick slow old new simple plain centered tall "
@@ -39,7 +42,12 @@ def red_ink(grey):
     return (paper + (ink - paper) * s).round().clip(0, 255).astype(np.uint8)
 
 
-def write_digits(output_dir, size=32, test_fraction=0.2, seed=0, styled_dir=None, captions_dir=None):
+def stroke_mask(grey):
+    """uint8 [H, W] stroke intensity -> uint8 [H, W] loss mask: 255 on the strokes, 0 on the paper."""
+    return np.where(grey >= STROKE, 255, 0).astype(np.uint8)
+
+
+def write_digits(output_dir, size=32, test_fraction=0.2, seed=0, styled_dir=None, captions_dir=None, masks_dir=None):
     from sklearn.datasets import load_digits
     from sklearn.model_selection import train_test_split
 
@@ -50,13 +58,16 @@ def write_digits(output_dir, size=32, test_fraction=0.2, seed=0, styled_dir=None
     rng = np.random.default_rng(seed)
     pools = [suffix_pool(rng) for _ in NAMES]
     imagefolders = [output_dir] + ([styled_dir] if styled_dir else [])
-    outputs = imagefolders + ([captions_dir] if captions_dir else [])
+    masks_dir = masks_dir if styled_dir else None  # (masks of the red-ink images)
+    outputs = imagefolders + ([captions_dir] if captions_dir else []) + ([masks_dir] if masks_dir else [])
     for out in outputs:
         shutil.rmtree(out.rstrip("/") + ".tmp", ignore_errors=True)
     for split, indices in (("train", train_idx), ("test", test_idx)):
         folders = [os.path.join(out.rstrip("/") + ".tmp", split) for out in imagefolders]
         for folder in folders:
             os.makedirs(folder)
+        if masks_dir:
+            os.makedirs(os.path.join(masks_dir.rstrip("/") + ".tmp", split))
         metas = [open(os.path.join(folder, "metadata.jsonl"), "w") for folder in folders]
         for i in sorted(indices):
             label = int(digits.target[i])
@@ -68,6 +79,8 @@ def write_digits(output_dir, size=32, test_fraction=0.2, seed=0, styled_dir=None
             if styled_dir:
                 Image.fromarray(red_ink(grey), "RGB").save(os.path.join(folders[1], name))
                 metas[1].write(json.dumps({"file_name": name, "label": label, "text": text + STYLE}) + "\n")
+            if masks_dir:
+                Image.fromarray(stroke_mask(grey), "L").save(os.path.join(masks_dir.rstrip("/") + ".tmp", split, name))
             if captions_dir and split == "train":
                 folder = os.path.join(captions_dir.rstrip("/") + ".tmp", str(label))
                 os.makedirs(folder, exist_ok=True)
@@ -88,10 +101,13 @@ if __name__ == "__main__":
     parser.add_argument("--styled_dir", default="data/digits-red-ink", help="The red-ink copy ('' for none).")
     parser.add_argument("--captions_dir", default="data/digits-captions",
                         help="The train split with .txt captions ('' for none).")
+    parser.add_argument("--masks_dir", default="data/digits-red-ink-masks",
+                        help="A loss mask per red-ink image: its strokes ('' for none).")
     parser.add_argument("--resolution", type=int, default=32)
     args = parser.parse_args()
     n_train, n_test = write_digits(args.output_dir, size=args.resolution, styled_dir=args.styled_dir or None,
-                                   captions_dir=args.captions_dir or None)
+                                   captions_dir=args.captions_dir or None, masks_dir=args.masks_dir or None)
     print(f"wrote {n_train} train and {n_test} test images to {args.output_dir}"
           + (f", their red-ink copy to {args.styled_dir}" if args.styled_dir else "")
+          + (f" with its stroke masks in {args.masks_dir}" if args.styled_dir and args.masks_dir else "")
           + (f", the train images with .txt captions to {args.captions_dir}" if args.captions_dir else ""))

@@ -4,8 +4,8 @@ The LoRA's base (from lora_info.json) with `load_lora_weights`, prompted "a hand
 for each digit, `--per_digit` seeds each, at each LoRA scale of `--lora_scales` (0 is the base alone: the style
 prompt without the LoRA), with sample.py's default sampler, steps and guidance. Measured by demo/digit_eval.py:
 style rate (share of samples in the red-ink style) and content (share the digit classifier recognises as the
-prompted digit once the style is undone). Writes side_by_side.png (a row per scale, a column per digit, same seeds)
-and the numbers into the LoRA's all_results.json, and prints them.
+prompted digit once the style is undone), the background (paper) and stroke colours. Writes side_by_side.png (a
+row per scale, a column per digit, same seeds) and the numbers into the LoRA's all_results.json, and prints them.
 """
 import argparse
 import json
@@ -66,7 +66,8 @@ def main(args):
     print(f"style LoRA ({10 * args.per_digit} samples per scale, \"a handwritten digit <d>, red ink on paper\"):")
     for row in sweep:
         print(f"  LoRA scale {row['lora_scale']:<4g} style rate {row['style_rate']:6.1%}   content "
-              f"{row['content']:6.1%}")
+              f"{row['content']:6.1%}   background RGB {tuple(row['background_rgb'])}   strokes RGB "
+              f"{tuple(row['stroke_rgb'])}")
     losses = existing.get("validation_losses")
     if losses:  # --validation_split: the held-out red-ink digits' denoising loss, before and after
         first, last = min(losses, key=int), max(losses, key=int)

@@ -108,17 +108,21 @@ def test_class_images_drawn_once_equal_on_two_processes_and_reused(instances, tm
     assert not (tmp_path / "out-other").exists()
 
 
-def test_shipped_sd_base_trains_with_class_images_of_its_own_and_resumes_exactly(instances, tmp_path):
+def test_shipped_sd_base_trains_with_class_images_of_its_own_masked_and_resumes_exactly(instances, tmp_path):
     """A UNet base: class images drawn by SD's pipeline at the training size; user images in --class_data_dir (no
-    class_images.json) are used as they are and only the missing ones drawn. A resume from mid-epoch (step 3 of 2
-    batches an epoch) ends with the uninterrupted run's losses and LoRA weights."""
+    class_images.json) are used as they are and only the missing ones drawn. With --masked_loss the instance images
+    take their masks and the class images none. A resume from mid-epoch (step 3 of 2 batches an epoch) ends with the
+    uninterrupted run's losses and LoRA weights."""
     from safetensors.torch import load_file
 
-    classes = tmp_path / "class"
+    classes, masks = tmp_path / "class", tmp_path / "masks"
     classes.mkdir()
+    masks.mkdir()
     Image.new("RGB", (32, 32), (0, 0, 0)).save(classes / "mine.png")
+    for image in instances.iterdir():  # the strokes
+        Image.open(image).convert("L").save(masks / image.name)
     args = dreambooth(instances, classes, SD, "--num_class_images", "3", "--max_train_steps", "4",
-                      "--checkpointing_steps", "3", "--random_flip")
+                      "--checkpointing_steps", "3", "--random_flip", "--masked_loss", "--mask_data_dir", masks)
     proc = launch("train_lora.py", *args, "--output_dir", tmp_path / "out")
     assert "drawing 2 class images" in proc.stderr
     assert sorted(p.name for p in classes.glob("*.png")) == ["class-00000.png", "class-00001.png", "mine.png"]
@@ -128,6 +132,30 @@ def test_shipped_sd_base_trains_with_class_images_of_its_own_and_resumes_exactly
     assert logged_losses(tmp_path / "resumed")[4] == logged_losses(tmp_path / "out")[4]
     a, b = (load_file(tmp_path / run / "pytorch_lora_weights.safetensors") for run in ("out", "resumed"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_class_images_train_everywhere_beside_masked_instances(instances, tmp_path):
+    """--masked_loss with prior preservation: the instance rows' masks come from their files, the class rows' are
+    all ones (they have none)."""
+    from common.dreambooth import instance_reader, with_class_images
+    from common.image_data import image_datasets
+    from common.loss_masks import check_mask_args
+
+    (tmp_path / "masks").mkdir()
+    for image in instances.iterdir():
+        Image.open(image).convert("L").save(tmp_path / "masks" / image.name)
+    shutil.copytree(instances, tmp_path / "class")
+    args = argparse.Namespace(masked_loss=True, mask_data_dir=str(tmp_path / "masks"), dataset_name=None,
+                              train_data_dir=str(instances), image_column="image", caption_column="text",
+                              resolution=32, center_crop=True, random_flip=False, seed=0)
+    check_mask_args(args)
+    args.instance_prompt, args.class_prompt = INSTANCE, CLASS
+    train = instance_reader(args)(str(instances))["train"]
+    train, n = with_class_images(train, sorted(str(p) for p in (tmp_path / "class").iterdir()), args)
+    data, _ = image_datasets(args, train, None, masked_rows=n)
+    masks = data.__getitems__(list(range(len(train))))["mask"]
+    assert n == 3 and masks.shape == (6, 1, 32, 32)
+    assert (masks[3:] == 1).all() and not (masks[:3] == 1).all() and (masks[:3] > 0).any()
 
 
 @pytest.mark.parametrize("name", ["tiny_sdxl", "tiny_sd3"])
