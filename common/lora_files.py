@@ -275,7 +275,9 @@ def describe_lora(metadata):
     rank, alpha = get("rank") or get("ss_network_dim"), get("lora_alpha") or get("ss_network_alpha")
     if rank:
         targets = get("target_modules")
-        lines.append(f"rank {rank}, alpha {alpha or rank}" + (f", on {targets.replace(',', ', ')}" if targets else "")
+        kind = {"loha": "LoHa, ", "lokr": "LoKr, "}.get(get("adapter"), "")
+        lines.append(f"{kind}rank {rank}, alpha {alpha or rank}"
+                     + (f", on {targets.replace(',', ', ')}" if targets else "")
                      + ((" and both CLIP text encoders" if lora_family(metadata, [])[0] in TWO_CLIPS
                          else " and the text encoder")
                         if get("text_encoder_target_modules") else ""))
