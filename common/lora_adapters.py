@@ -45,6 +45,9 @@ def check_lora_args(args, family):
             raise UserError(f"--use_dora is LoRA's (DoRA); leave it out with --adapter {args.adapter}")
         if args.lora_dropout:
             raise UserError(f"--lora_dropout is LoRA's; leave it out with --adapter {args.adapter}")
+        if args.quantize_base:  # peft's LoHa and LoKr layers wrap plain Linear and Conv layers only
+            raise UserError(f"--quantize_base: peft's {args.adapter} cannot wrap 4-bit layers; train it on an "
+                            "unquantized base, or use --adapter lora")
     if args.lokr_factor != -1 and (args.adapter != "lokr" or args.lokr_factor < 1):
         raise UserError(f"--lokr_factor {args.lokr_factor}: LoKr's factor (with --adapter lokr) is a positive "
                         "integer, or -1 for the default")

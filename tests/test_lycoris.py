@@ -243,6 +243,7 @@ def test_flag_checks(digits):
 
     for argv, needle in ((["--adapter", "lokr", "--lora_dropout", "0.1"], "--lora_dropout"),
                          (["--adapter", "loha", "--lokr_factor", "4"], "--lokr_factor"),
+                         (["--adapter", "loha", "--quantize_base", "nf4"], "--quantize_base"),
                          (["--adapter", "lokr", "--lokr_factor", "0"], "--lokr_factor")):
         with pytest.raises(UserError, match=re.escape(needle)) as err:
             parse_args(["--pretrained_model_name_or_path", str(FLUX), "--train_data_dir", str(digits), *argv])
