@@ -38,7 +38,7 @@ from common.args import (
 from common.cli import UserError, first_line, run
 from common.diffusion import DEFAULT_GUIDANCE_SCALE
 from common.families import check_lora_base, folder_family
-from common.lora_files import LORA_WEIGHTS, check_safetensors, lora_file_metadata, read_lora_info
+from common.lora_files import LORA_WEIGHTS, check_lora_format, check_safetensors, lora_file_metadata, read_lora_info
 from common.pipeline_report import describe, load_lora, print_report
 from common.pipeline_trace import trace
 from common.pipelines import model_kind, read_labels
@@ -87,10 +87,12 @@ def check_args(args):
         args.lora, args.model = args.model, base
         args.kind = model_kind(base)
     if args.lora:
+        check_lora_format(args.lora, [], "--lora")  # a LoHa or LoKr of train_lora.py: diffusers cannot load it
         weights = os.path.join(args.lora, LORA_WEIGHTS) if os.path.isdir(args.lora) else args.lora
         if not os.path.isfile(weights) or not weights.endswith(".safetensors"):
             raise UserError(f"--lora '{args.lora}' is neither a .safetensors file nor a folder with {LORA_WEIGHTS}")
         keys = check_safetensors(weights, "--lora")  # an SDXL LoRA on SD 1.5 or the reverse: before anything loads
+        check_lora_format(args.lora, keys, "--lora")
         check_lora_base("--lora", args.lora, lora_file_metadata(weights), keys, args.model,
                         folder_family(args.model))
     if args.save_trajectory:

@@ -64,7 +64,9 @@ def parse_args(argv=None):
     parser.add_argument("--prompt", action="append", default=None, help="Repeatable.")
     parser.add_argument("--negative_prompt", default=None, help="SD 1.x/2.x, SDXL and SD3.")
     parser.add_argument("--lora", action="append", default=[],
-                        help="PATH[:SCALE], repeatable; made for the base's family (SD 1.x/2.x, SDXL, SD3, Flux.1).")
+                        help="PATH[:SCALE], repeatable; made for the base's family (SD 1.x/2.x, SDXL, SD3, Flux.1). A "
+                             "train_lora.py LoHa or LoKr (its folder or peft_adapter_weights.safetensors) loads "
+                             "through peft, as diffusers' load_lora_weights cannot read it.")
     parser.add_argument("--lora_scale", type=float, nargs="+", default=[1.0],
                         help="Multiplies every LoRA's scale; several values (e.g. 0 0.5 1) draw every prompt and "
                              "seed at each, a grid row per scale and prompt (0: the base alone).")
@@ -191,7 +193,18 @@ def sample_pipeline(args):
     output or checkpoint-N (its base is read from its lora_info.json). Image j of every prompt starts from seed + j."""
     from common.base_models import check_pipeline_folder, load_error
     from common.families import check_lora_base, family_module, family_of
-    from common.lora_files import LORA_WEIGHTS, check_safetensors, describe_lora, lora_file_metadata, read_lora_info
+    from common.lora_files import (
+        LORA_WEIGHTS,
+        PEFT_WEIGHTS,
+        check_lora_format,
+        check_safetensors,
+        describe_lora,
+        load_peft_adapters,
+        lora_file_metadata,
+        lora_weights_file,
+        peft_adapter_configs,
+        read_lora_info,
+    )
 
     if args.class_label or args.no_ema:
         raise UserError(f"--class_label/--no_ema are for train_ddpm.py models; '{args.model}' is a text-to-image "
@@ -212,12 +225,14 @@ def sample_pipeline(args):
         check_sample_flags(args, family, base, base_flag)
     local = {}  # path -> (metadata, tensor names) of each local LoRA file
     for path, _ in loras:
-        if os.path.isdir(path) and not os.path.isfile(os.path.join(path, LORA_WEIGHTS)):
-            raise UserError(f"--lora '{path}': no {LORA_WEIGHTS} in that folder")
+        if os.path.isdir(path) and not lora_weights_file(path):
+            raise UserError(f"--lora '{path}': no {LORA_WEIGHTS} (nor a LoHa's or LoKr's {PEFT_WEIGHTS}) in that "
+                            "folder")
         if not os.path.exists(path) and not is_hub_id(path):
             raise UserError(f"--lora '{path}': no such file or folder")
         if os.path.exists(path):  # a damaged or non-safetensors file: at once, not after the base has loaded
-            keys = check_safetensors(os.path.join(path, LORA_WEIGHTS) if os.path.isdir(path) else path, "--lora")
+            keys = check_safetensors(lora_weights_file(path), "--lora")
+            check_lora_format(path, keys, "--lora", peft_loader="sample.py")  # a LoHa's UI file: what to give
             local[path] = lora_file_metadata(path), keys
             check_lora_base("--lora", path, *local[path], base, family and family.KEY)  # SDXL on SD 1.5, ...
     check_writable(output_dir(args), "--output_dir")
@@ -261,6 +276,9 @@ def sample_pipeline(args):
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="Already found a `peft_config`")  # several LoRAs: wanted
             for name, (path, _) in zip(names, loras):
+                if path in local and peft_adapter_configs(path):  # a LoHa or LoKr: through peft
+                    load_peft_adapters(pipe, path, name)
+                    continue
                 folder, weight_name = (path, None) if not path.endswith(".safetensors") else os.path.split(path)
                 pipe.load_lora_weights(folder or ".", weight_name=weight_name, adapter_name=name)
     except (RuntimeError, ValueError, KeyError, OSError) as err:

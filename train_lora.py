@@ -73,7 +73,7 @@ from common.caption_files import caption_folder_reader, check_caption_args
 from common.checkpoints import agreed_checkpoint, detect_shared_output_dir, read_checkpoint_info, resolve_resume
 from common.cli import quiet_loading_bars, run
 from common.dreambooth import add_dreambooth_args, check_dreambooth_args
-from common.lora_adapters import check_lora_args, check_resumed_lora, comma_list
+from common.lora_adapters import add_adapter_args, check_lora_args, check_resumed_lora, comma_list, is_adapter_weight
 from common.lora_files import LORA_EMA_STATE
 from common.loss_masks import check_mask_args, latent_mask
 from common.objectives import add_objective_args
@@ -99,8 +99,10 @@ def parse_args(argv=None):
                         "CUDA only, `make install-extras`).")
     add_objective_args(g)
     g = parser.add_argument_group("LoRA")
-    g.add_argument("--rank", type=positive_int, default=8, help="LoRA rank r.")
-    g.add_argument("--lora_alpha", type=positive_float, default=None, help="LoRA scale alpha/r; default alpha = r.")
+    g.add_argument("--rank", type=positive_int, default=8,
+                   help="LoRA rank r (LoHa: of each of its two products; LoKr: of its large factor's product).")
+    g.add_argument("--lora_alpha", type=positive_float, default=None,
+                   help="The update's scale is alpha/r, LoRA's, LoHa's and LoKr's alike; default alpha = r.")
     g.add_argument("--lora_dropout", type=probability, default=0.0)
     g.add_argument("--target_modules", type=comma_list, default=None,
                    help="Denoiser modules that get LoRA (names or name suffixes); default: the family's attention "
@@ -109,6 +111,7 @@ def parse_args(argv=None):
     g.add_argument("--use_dora", action="store_true",
                    help="DoRA: weight-decomposed LoRA (exact in diffusers; ComfyUI and Forge apply it approximately, "
                         "A1111 not at all: docs/train_lora.md).")
+    add_adapter_args(g)  # --adapter lora|loha|lokr, --lokr_factor
     g.add_argument("--train_text_encoder", action="store_true",
                    help="Also LoRA on the CLIP text encoders' attention projections (SDXL and SD3: both CLIPs; "
                         "Flux.1: its CLIP; never T5).")
@@ -263,7 +266,7 @@ def main(args):
     cast_training_params(list(trained.values()), dtype=lora_dtype)
     uniform_dtype(accelerator, trained.values(), lora_dtype)  # (FSDP: the frozen weights too)
     trainable = {f"{name}.{n}": p for name, m in trained.items() for n, p in m.named_parameters() if p.requires_grad}
-    assert all("lora_" in name for name in trainable), "only LoRA weights may train"
+    assert all(is_adapter_weight(name, args.adapter) for name in trainable), "only adapter weights may train"
     num_trainable = sum(p.numel() for p in trainable.values())
     ema, ema_params = None, list(trainable.values())  # the EMA averages the trainable LoRA weights only, in fp32
     if args.use_ema:
@@ -517,6 +520,7 @@ def lora_info(args):
     base = args.pretrained_model_name_or_path
     return {"base_model": os.path.abspath(base) if os.path.isdir(base) else base, "revision": args.revision,
             "variant": args.variant, "rank": args.rank, "lora_alpha": args.lora_alpha,
+            "adapter": args.adapter, "lokr_factor": args.lokr_factor,  # lora, loha, lokr (common/lora_adapters.py)
             "target_modules": args.target_modules, "use_dora": args.use_dora,
             "train_text_encoder": args.train_text_encoder, "prediction_type": args.prediction_type,
             "max_sequence_length": args.max_sequence_length,  # T5's prompt length: sample.py's default too

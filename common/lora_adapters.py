@@ -1,6 +1,6 @@
-"""peft LoRA adapters on a base's denoiser and CLIP text encoders, for train_lora.py: the family's default targets,
-targets that match no module named with the closest ones, the adapters added (diffusers' LoraConfig settings), and the
-QLoRA base's quantization config."""
+"""peft adapters on a base's denoiser and CLIP text encoders, for train_lora.py: LoRA (diffusers' LoraConfig
+settings) or LyCORIS's LoHa and LoKr (peft's LoHaConfig, LoKrConfig; --adapter), the family's default targets, targets
+that match no module named with the closest ones, and the QLoRA base's quantization config."""
 from .cli import UserError, first_line
 
 
@@ -9,7 +9,26 @@ def comma_list(text):
     return [item.strip() for item in text.split(",") if item.strip()]
 
 
-SAME_LORA = ("rank", "lora_alpha", "target_modules", "use_dora", "train_text_encoder")  # needed to resume
+SAME_LORA = ("adapter", "rank", "lora_alpha", "lokr_factor", "target_modules", "use_dora",
+             "train_text_encoder")  # needed to resume
+# Each adapter's weight names in peft (its layer's adapter_layer_names): what trains, what a checkpoint must set.
+ADAPTER_WEIGHTS = {"lora": ("lora_",), "loha": ("hada_",), "lokr": ("lokr_",)}
+
+
+def add_adapter_args(group):
+    """--adapter and the one flag of LoKr's that LoRA and LoHa lack (train_lora.py's LoRA group holds --rank,
+    --lora_alpha, --lora_dropout, --use_dora)."""
+    group.add_argument("--adapter", default="lora", choices=sorted(ADAPTER_WEIGHTS),
+                       help="lora; loha (LyCORIS LoHa: a Hadamard product of two rank-r products); lokr (LyCORIS "
+                            "LoKr: a Kronecker product of a small matrix and a rank-r product), both through peft.")
+    group.add_argument("--lokr_factor", type=int, default=-1,
+                       help="LoKr: LyCORIS's `factor`, the size of the small Kronecker factor's sides (-1: as near "
+                            "the square root of each layer's size as its divisors allow).")
+
+
+def is_adapter_weight(name, adapter):
+    """Whether a parameter name (peft's: `<module>.<weight>.<adapter name>`) is a weight of `adapter`."""
+    return any(f".{prefix}" in name or name.startswith(prefix) for prefix in ADAPTER_WEIGHTS[adapter])
 
 
 def check_lora_args(args, family):
@@ -21,6 +40,17 @@ def check_lora_args(args, family):
         raise UserError("--target_modules: give at least one module name")
     if args.offload_ema and not args.use_ema:
         raise UserError("--offload_ema: there is no EMA to offload without --use_ema")
+    if args.adapter != "lora":  # peft's LoHa and LoKr have neither
+        if args.use_dora:
+            raise UserError(f"--use_dora is LoRA's (DoRA); leave it out with --adapter {args.adapter}")
+        if args.lora_dropout:
+            raise UserError(f"--lora_dropout is LoRA's; leave it out with --adapter {args.adapter}")
+        if args.quantize_base:  # peft's LoHa and LoKr layers wrap plain Linear and Conv layers only
+            raise UserError(f"--quantize_base: peft's {args.adapter} cannot wrap 4-bit layers; train it on an "
+                            "unquantized base, or use --adapter lora")
+    if args.lokr_factor != -1 and (args.adapter != "lokr" or args.lokr_factor < 1):
+        raise UserError(f"--lokr_factor {args.lokr_factor}: LoKr's factor (with --adapter lokr) is a positive "
+                        "integer, or -1 for the default")
     if family is None:
         return
     if args.target_modules is None:
@@ -31,6 +61,7 @@ def check_lora_args(args, family):
 
 def check_resumed_lora(path, saved, now):
     """A checkpoint (its checkpoint_info.json: `saved`) must hold a LoRA of the shape the flags ask for (`now`)."""
+    saved = {"adapter": "lora", **saved} if "rank" in saved else saved  # (a LoRA's, from before --adapter)
     diffs = [f"{key}={saved[key]} (now {now[key]})" for key in SAME_LORA
              if key in saved and now[key] is not None and saved[key] != now[key]]
     if diffs:
@@ -50,21 +81,32 @@ def quantization_config(args, weight_dtype, device):
     return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=weight_dtype)
 
 
-def add_lora(family, denoiser, text_encoders, args):
-    """LoRA (init_lora_weights="gaussian", --rank, --lora_alpha, --lora_dropout, --use_dora) on the denoiser's
-    --target_modules and, with --train_text_encoder, on the family's LoRA text encoders' attention projections.
-    -> {checkpoint subfolder: model} of what trains."""
-    from peft import LoraConfig
+def adapter_config(args, targets):
+    """The peft config of --adapter: LoRA (init_lora_weights="gaussian", --rank, --lora_alpha, --lora_dropout,
+    --use_dora), LoHa or LoKr (--rank, alpha --lora_alpha, --lokr_factor; peft's initialisation: a zero update)."""
+    from peft import LoHaConfig, LoKrConfig, LoraConfig
 
+    if args.adapter == "loha":
+        return LoHaConfig(r=args.rank, alpha=args.lora_alpha, target_modules=targets)
+    if args.adapter == "lokr":
+        return LoKrConfig(r=args.rank, alpha=args.lora_alpha, decompose_factor=args.lokr_factor,
+                          target_modules=targets)
+    return LoraConfig(r=args.rank, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
+                      init_lora_weights="gaussian", target_modules=targets, use_dora=args.use_dora)
+
+
+def add_lora(family, denoiser, text_encoders, args):
+    """--adapter (LoRA, LoHa or LoKr: adapter_config) on the denoiser's --target_modules and, with
+    --train_text_encoder, on the family's LoRA text encoders' attention projections.
+    -> {checkpoint subfolder: model} of what trains."""
     def config(targets):
-        return LoraConfig(r=args.rank, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
-                          init_lora_weights="gaussian", target_modules=targets, use_dora=args.use_dora)
+        return adapter_config(args, targets)
 
     check_target_modules(denoiser, args.target_modules, "--target_modules",
                          {"unet": "UNet"}.get(family.DENOISER, family.DENOISER))
     try:
         denoiser.add_adapter(config(args.target_modules))
-    except ValueError as err:  # e.g. a target that is not a Linear/Conv layer
+    except (ValueError, TypeError) as err:  # e.g. a target that is not a Linear/Conv layer
         raise UserError(f"--target_modules: {first_line(err)}") from None
     trained = {family.DENOISER: denoiser}
     for name in family.LORA_TEXT_ENCODERS if args.train_text_encoder else ():

@@ -12,6 +12,11 @@ LORA_INFO = "lora_info.json"
 LORA_WEIGHTS = "pytorch_lora_weights.safetensors"  # diffusers' name: pipe.load_lora_weights(folder) finds it
 ADAPTER_FILE = "adapter_model.safetensors"
 KOHYA_WEIGHTS = "pytorch_lora_weights_kohya.safetensors"  # the UIs' file (ComfyUI, Forge, A1111): kohya's names
+# A LoHa's or LoKr's file for sample.py, which diffusers' load_lora_weights cannot read (it reads LoKr for Z-Image and
+# Flux.2 only): every component's peft adapter state under `<component>.` and, in its header, their peft configs.
+PEFT_WEIGHTS = "peft_adapter_weights.safetensors"
+PEFT_CONFIGS = "peft_adapter_configs"  # the header entry: {component: peft config as a dict}
+ADAPTER_NAMES = {"LOHA": "LoHa", "LOKR": "LoKr"}
 
 
 def safetensors_header(path, flag):
@@ -72,7 +77,7 @@ def load_lora_state(model, path, dtype):
     from safetensors.torch import load_file
 
     result = set_peft_model_state_dict(model, load_file(os.path.join(path, ADAPTER_FILE)), adapter_name="default")
-    problems = list(result.unexpected_keys) + [k for k in result.missing_keys if "lora_" in k]
+    problems = list(result.unexpected_keys) + [k for k in result.missing_keys if ".default" in k]  # the adapter's
     if problems:
         raise UserError(f"--resume_from_checkpoint: {path} does not fit this LoRA ({problems[0]} ...)")
     cast_training_params(model, dtype=dtype)
@@ -128,6 +133,8 @@ def save_lora_weights(folder, family, lora_models, info, metadata=None):
 
     states = {name: get_peft_model_state_dict(model) for name, model in lora_models.items()}
     configs = {name: model.peft_config["default"].to_dict() for name, model in lora_models.items()}
+    if info.get("adapter", "lora") != "lora":
+        return save_lycoris_weights(folder, family, lora_models, states, configs, info, metadata)
     # the UI file first: a LoRA it cannot hold is one line before anything is written
     ui_weights = family.ui_lora(states, configs[family.DENOISER]["lora_alpha"], lora_models[family.DENOISER].config)
     text_layers = {f"{name}_lora_layers": {text_encoder_key(key): value for key, value in
@@ -150,10 +157,105 @@ def save_lora_weights(folder, family, lora_models, info, metadata=None):
     write_lora_info(folder, info)
 
 
+def save_lycoris_weights(folder, family, models, states, configs, info, metadata=None):
+    """save_lora_weights for a LoHa or LoKr (diffusers' loaders read neither): peft_adapter_weights.safetensors (each
+    component's peft state under `<component>.`, the peft configs in the header: sample.py loads it through peft),
+    the UI file in LyCORIS's names (common/ui_lora.py; LoKr's scale baked where the UIs apply none) and
+    lora_info.json. Main process only."""
+    from safetensors.torch import save_file
+
+    from .ui_lora import bake_lokr_scale
+
+    config = configs[family.DENOISER]
+    alpha, scale = config["alpha"], config["alpha"] / config["r"]
+    ui_weights = family.ui_lora({name: bake_lokr_scale(state, scale) for name, state in states.items()}, alpha,
+                                models[family.DENOISER].config)
+    header = {"format": "pt", **(metadata or {}),
+              PEFT_CONFIGS: json.dumps(configs, sort_keys=True, default=lambda v: sorted(v) if isinstance(v, set)
+                                       else str(v))}
+    weights = {f"{name}.{key}": value.detach().contiguous() for name, state in states.items()
+               for key, value in state.items()}
+    os.makedirs(folder, exist_ok=True)
+    save_file(weights, os.path.join(folder, PEFT_WEIGHTS), metadata=header)
+    ui_header = {"format": "pt", **(metadata or {})}
+    if "modelspec.implementation" in ui_header:
+        ui_header["modelspec.implementation"] = family.UI_IMPLEMENTATION
+    save_file(ui_weights, os.path.join(folder, KOHYA_WEIGHTS), metadata=ui_header)
+    write_lora_info(folder, info)
+
+
+def lora_weights_file(path):
+    """The weights sample.py loads from a LoRA path: a folder's pytorch_lora_weights.safetensors, else its
+    peft_adapter_weights.safetensors (a LoHa's or LoKr's), else None; a file as it is."""
+    if not os.path.isdir(path):
+        return path
+    return next((os.path.join(path, name) for name in (LORA_WEIGHTS, PEFT_WEIGHTS)
+                 if os.path.isfile(os.path.join(path, name))), None)
+
+
+def peft_adapter_configs(path):
+    """{component: peft config dict} of a peft_adapter_weights.safetensors file (or of a folder holding one), None
+    for any other LoRA file or folder."""
+    file = lora_weights_file(path)
+    if not file or not os.path.isfile(file) or not file.endswith(".safetensors"):
+        return None
+    configs = (safetensors_header(file, "--lora").get("__metadata__") or {}).get(PEFT_CONFIGS)
+    return json.loads(configs) if configs else None
+
+
+def check_lora_format(path, keys, flag, peft_loader=None):
+    """One line for a LoHa or LoKr given where only diffusers' load_lora_weights reads it: its UI file (LyCORIS's
+    names) anywhere, its peft file or folder where `peft_loader` (the script that loads those) is None."""
+    configs = peft_adapter_configs(path)
+    if configs is not None:
+        if peft_loader is None:
+            kinds = sorted({ADAPTER_NAMES.get(c.get("peft_type"), c.get("peft_type")) for c in configs.values()})
+            raise UserError(f"{flag} '{path}' is a {'/'.join(kinds)} (LyCORIS), which diffusers' load_lora_weights "
+                            "cannot read: draw it with `python sample.py --model <that folder>`, which loads it "
+                            "through peft")
+        return
+    lycoris = next((key for key in keys if ".hada_" in key or ".lokr_" in key), None)
+    if lycoris:
+        kind = "LoHa" if ".hada_" in lycoris else "LoKr"
+        where = (f"give {peft_loader} the train_lora.py output folder (its {PEFT_WEIGHTS} loads through peft)"
+                 if peft_loader else "load it in ComfyUI, or draw its train_lora.py output folder with sample.py")
+        raise UserError(f"{flag} '{path}' holds {kind} weights in LyCORIS's names (a UI file), which diffusers' "
+                        f"load_lora_weights cannot read: {where}")
+
+
+def load_peft_adapters(pipe, path, adapter_name):
+    """A LoHa or LoKr of train_lora.py (peft_adapter_weights.safetensors, or a folder holding it) into the pipeline's
+    denoiser and text encoders as peft adapter `adapter_name`, each set to the saved state; diffusers' set_adapters
+    then scales it as it scales LoRAs. One line when it does not fit the pipeline's models."""
+    from peft import PeftConfig
+    from peft.utils import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    file = lora_weights_file(path)
+    weights = load_file(file)
+    for component, config in peft_adapter_configs(path).items():
+        model = getattr(pipe, component, None)
+        if model is None:
+            raise UserError(f"--lora '{path}' adapts a {component}, which this pipeline lacks (a LoRA for another "
+                            "model?)")
+        state = {key.removeprefix(f"{component}."): value for key, value in weights.items()
+                 if key.startswith(f"{component}.")}
+        try:
+            model.add_adapter(PeftConfig.from_peft_type(**config), adapter_name=adapter_name)
+            result = set_peft_model_state_dict(model, state, adapter_name=adapter_name)
+        except (ValueError, RuntimeError, TypeError) as err:
+            raise UserError(f"--lora '{path}' does not fit the {component} of this base (a LoRA for another "
+                            f"model?): {str(err).splitlines()[0] if str(err) else type(err).__name__}") from None
+        missing = [key for key in result.missing_keys if f".{adapter_name}" in key]
+        if result.unexpected_keys or missing:
+            raise UserError(f"--lora '{path}' does not fit the {component} of this base (a LoRA for another "
+                            f"model?): {(list(result.unexpected_keys) + missing)[0]} ...")
+
+
 def lora_file_metadata(path):
-    """The `__metadata__` of a LoRA .safetensors file (or of a folder's pytorch_lora_weights.safetensors), without
-    torch; {} for a hub id or a file without any."""
-    file = os.path.join(path, LORA_WEIGHTS) if os.path.isdir(path) else path
+    """The `__metadata__` of a LoRA .safetensors file (or of a folder's pytorch_lora_weights.safetensors or
+    peft_adapter_weights.safetensors), without torch; {} for a hub id or a file without any."""
+    file = lora_weights_file(path) or ""
     if not os.path.isfile(file):
         return {}
     metadata = safetensors_header(file, "--lora").get("__metadata__")
@@ -173,7 +275,9 @@ def describe_lora(metadata):
     rank, alpha = get("rank") or get("ss_network_dim"), get("lora_alpha") or get("ss_network_alpha")
     if rank:
         targets = get("target_modules")
-        lines.append(f"rank {rank}, alpha {alpha or rank}" + (f", on {targets.replace(',', ', ')}" if targets else "")
+        kind = {"loha": "LoHa, ", "lokr": "LoKr, "}.get(get("adapter"), "")
+        lines.append(f"{kind}rank {rank}, alpha {alpha or rank}"
+                     + (f", on {targets.replace(',', ', ')}" if targets else "")
                      + ((" and both CLIP text encoders" if lora_family(metadata, [])[0] in TWO_CLIPS
                          else " and the text encoder")
                         if get("text_encoder_target_modules") else ""))

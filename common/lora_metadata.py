@@ -16,6 +16,10 @@ def lora_metadata(args, info, base_version, step, max_train_steps, num_images, m
     name = os.path.basename(os.path.abspath(args.output_dir))
     trigger = info["trigger"] or ""
     text_encoder_lr = str(args.text_encoder_lr or args.learning_rate) if args.train_text_encoder else "None"
+    adapter = getattr(args, "adapter", "lora")
+    # a LoHa or LoKr as kohya's scripts write LyCORIS's: its network module and its algorithm in the network args
+    lycoris = {} if adapter == "lora" else {"ss_network_module": "lycoris.kohya", "ss_network_args": json.dumps(
+        {"algo": adapter, **({"factor": str(args.lokr_factor)} if adapter == "lokr" else {})})}
     metadata = {
         "base_model": base, "dataset": dataset, "resolution": str(size), "rank": str(args.rank),
         "lora_alpha": f"{args.lora_alpha:g}", "target_modules": ",".join(args.target_modules),
@@ -39,7 +43,8 @@ def lora_metadata(args, info, base_version, step, max_train_steps, num_images, m
                                                                                       "img_count": num_images}}),
         "ss_training_comment": "train_lora.py" + (f"; trigger: {trigger}" if trigger else ""),
         "modelspec.sai_model_spec": "1.0.0", "modelspec.implementation": "diffusers", "modelspec.title": name,
-        "modelspec.resolution": f"{size}x{size}", "modelspec.trigger_phrase": trigger, **base_version}
+        "modelspec.resolution": f"{size}x{size}", "modelspec.trigger_phrase": trigger, **base_version,
+        "adapter": adapter, **lycoris}
     return {key: value for key, value in metadata.items() if value}  # no empty trigger or text encoder targets
 
 
@@ -64,6 +69,12 @@ def lora_card(args, info, family, steps, last_loss, ema, prompt):
              "ComfyUI, Forge, A1111": "`pytorch_lora_weights_kohya.safetensors`, in their LoRA folder"
                                       + ("; DoRA: ComfyUI and Forge apply it approximately, A1111 not at all"
                                          if args.use_dora else "")}
+    adapter = getattr(args, "adapter", "lora")
+    if adapter != "lora":  # diffusers' loaders cannot read it: sample.py loads it through peft
+        facts["adapter"] = {"loha": "LoHa", "lokr": "LoKr"}[adapter] + " (LyCORIS, through peft)"
+        return f"{facts['adapter'].split()[0]} for {base}", summary, facts, (
+            "# diffusers' load_lora_weights cannot read it; sample.py loads it through peft:\n"
+            f'# python sample.py --model {args.output_dir} --prompt "{prompt}"')
     usage = (f"from diffusers import {pipeline_class}\n"
              f'pipe = {pipeline_class}.from_pretrained("{info["base_model"]}")\n'
              f'pipe.load_lora_weights("{args.output_dir}")\n'

@@ -16,7 +16,15 @@ Two namings: kohya's, `<prefix>_<module path, dots as underscores>.lora_down.wei
 Forge and ComfyUI read for SD 1.x/2.x and SDXL), and diffusers' module paths under a prefix,
 `transformer.<module>.lora_A.weight` / `.lora_B.weight` (how ComfyUI and Forge read SD3 and Flux.1 LoRAs, through
 comfy/utils.py's mmdit_to_diffusers and flux_to_diffusers). Nothing else of common/ is imported: a model family passes
-its own renaming (SDXL's UNet: the sgm names of kohya's SDXL files)."""
+its own renaming (SDXL's UNet: the sgm names of kohya's SDXL files).
+
+LyCORIS's LoHa and LoKr (peft's LoHaConfig, LoKrConfig) go under the same module names with LyCORIS's weight names,
+which are peft's too: `.hada_w1_a`, `.hada_w1_b`, `.hada_w2_a`, `.hada_w2_b` (update (w1_a @ w1_b) * (w2_a @ w2_b)),
+`.lokr_w1` or `.lokr_w1_a`/`.lokr_w1_b`, `.lokr_w2` or `.lokr_w2_a`/`.lokr_w2_b` (update kron(w1, w2)), and `.alpha`.
+ComfyUI (comfy/weight_adapter/loha.py, lokr.py) scales a LoHa by alpha / (rows of hada_w1_b) and a LoKr by alpha /
+(rows of its lokr_w2_b, else of its lokr_w1_b), which is peft's alpha / r; a LoKr with both factors full it applies at
+scale 1 where peft applies alpha / r: bake_lokr_scale moves that scale into lokr_w1 (as diffusers'
+_bake_lokr_alpha_ does when it reads such files)."""
 from .cli import UserError
 
 # ModelSpec's `modelspec.implementation` of a file whose names are those of Stability AI's own ("sgm") UNet, as kohya's
@@ -28,6 +36,20 @@ DIFFUSERS_IMPLEMENTATION = "diffusers"
 KOHYA_SUFFIXES = ("lora_down.weight", "lora_up.weight")
 DIFFUSERS_SUFFIXES = ("lora_A.weight", "lora_B.weight")
 MAGNITUDES = ("magnitude_vector", "magnitude_vector.weight")  # peft's name, and diffusers' text-encoder name
+# LoHa's and LoKr's weights, peft's names and LyCORIS's (peft's effective-Conv2d tensors hada_t*/lokr_t2: not written)
+LYCORIS_WEIGHTS = ("hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b", "lokr_w1", "lokr_w1_a", "lokr_w1_b", "lokr_w2",
+                   "lokr_w2_a", "lokr_w2_b")
+
+
+def bake_lokr_scale(state_dict, scale):
+    """A peft LoKr state dict with peft's scale (alpha / r) multiplied into lokr_w1 for every module whose two factors
+    are full matrices: the UIs apply those at scale 1. Other modules (and LoRA, LoHa) as they are."""
+    baked = dict(state_dict)
+    for key in state_dict:
+        module = key.removesuffix(".lokr_w1")
+        if key.endswith(".lokr_w1") and f"{module}.lokr_w2" in state_dict:
+            baked[key] = state_dict[key] * scale
+    return baked
 
 
 def kohya_lora(state_dict, alpha, prefix, module_prefix="", rename=None):
@@ -59,20 +81,27 @@ def prefixed_lora(state_dict, alpha, prefix, module_prefix="", swapped_halves=()
 def ui_lora(state_dict, alpha, name, suffixes, swapped_halves=()):
     """peft keys `<module>.lora_A.weight`, `.lora_B.weight`, `.lora_magnitude_vector` -> `<name(module)>.<down>`,
     `.<up>`, `.alpha` (a scalar in the weights' dtype) and `.dora_scale` ([out, 1, ...]: one dimension per dimension of
-    the module's weight). Anything a UI cannot apply is a UserError naming it, before anything is written."""
+    the module's weight); LoHa's and LoKr's `<module>.<LYCORIS_WEIGHTS>` -> `<name(module)>.<the same>` and `.alpha`.
+    Anything a UI cannot apply is a UserError naming it, before anything is written."""
     import torch
 
     modules = {}
     for key, value in state_dict.items():
+        module, _, kind = key.rpartition(".")
+        if kind in LYCORIS_WEIGHTS:
+            modules.setdefault(module, {})[kind] = value.detach()
+            continue
         module, _, kind = key.rpartition(".lora_")
         part = {"A.weight": "down", "B.weight": "up"}.get(kind) or ("magnitude" if kind in MAGNITUDES else None)
         if not module or part is None:
             raise UserError(f"the UI LoRA file cannot hold '{key}': ComfyUI, Forge and A1111 read LoRA down and up "
-                            "weights, alphas and DoRA magnitudes, nothing else; train the LoRA without it")
+                            "weights, alphas, DoRA magnitudes and LoHa's and LoKr's factors, nothing else; train the "
+                            "LoRA without it")
         modules.setdefault(module, {})[part] = value.detach()
     weights = {}
     for module, parts in modules.items():
-        if "down" not in parts or "up" not in parts:
+        lycoris = any(part in LYCORIS_WEIGHTS for part in parts)
+        if not lycoris and ("down" not in parts or "up" not in parts):
             missing = "lora_A" if "down" not in parts else "lora_B"
             raise UserError(f"the UI LoRA file: the LoRA of '{module}' has no {missing} weight")
         try:
@@ -80,6 +109,10 @@ def ui_lora(state_dict, alpha, name, suffixes, swapped_halves=()):
         except (KeyError, ValueError) as err:
             raise UserError(f"the UI LoRA file has no name for the module '{module}' ({err}); leave it out of the "
                             "LoRA's target modules") from None
+        if lycoris:
+            weights.update({f"{ui_name}.{part}": value.contiguous() for part, value in parts.items()})
+            weights[f"{ui_name}.alpha"] = torch.tensor(float(alpha), dtype=next(iter(parts.values())).dtype)
+            continue
         down, up = parts["down"], parts["up"]
         weights[f"{ui_name}.{suffixes[0]}"] = down.contiguous()
         weights[f"{ui_name}.{suffixes[1]}"] = up.contiguous()

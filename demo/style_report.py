@@ -29,9 +29,10 @@ def main(args):
 
     from common.diffusion import image_grid, sampling_scheduler, to_pil
     from common.families import load_family
-    from common.lora_files import read_lora_info
+    from common.lora_files import check_lora_format, read_lora_info
     from demo.digit_eval import Judge, digit_prompts, generate, score
 
+    check_lora_format(args.lora, [], "--lora")  # a LoHa or LoKr: load_lora_weights below cannot read it
     info = read_lora_info(args.lora)
     family = load_family(info["base_model"], "the LoRA's base", uses="the style report draws from")
     pipe = getattr(diffusers, family.PIPELINE).from_pretrained(info["base_model"], dtype=torch.float32)
@@ -79,9 +80,9 @@ def main(args):
 if __name__ == "__main__":
     import torch
 
-    from common.cli import quiet_libraries, quiet_loading_bars
+    from common.cli import quiet_libraries, quiet_loading_bars, run
 
     quiet_libraries()
     quiet_loading_bars()
     torch.set_num_threads(max(1, min(torch.get_num_threads(), 2)))
-    main(parse_args())
+    run(main, parse_args)  # (a LoRA it cannot read: one line)
