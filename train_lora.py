@@ -75,7 +75,7 @@ from common.cli import quiet_loading_bars, run
 from common.dreambooth import add_dreambooth_args, check_dreambooth_args
 from common.lora_adapters import add_adapter_args, check_lora_args, check_resumed_lora, comma_list, is_adapter_weight
 from common.lora_files import LORA_EMA_STATE
-from common.loss_masks import check_mask_args, latent_mask
+from common.loss_masks import base_prediction, check_mask_args, latent_mask, masked_prior_losses
 from common.objectives import add_objective_args
 from common.optimizers import OPTIMIZERS, add_optimizer_args, check_optimizer_args
 from common.training import add_ema_args, check_resumed_ema, ema_weights
@@ -432,6 +432,11 @@ def main(args):
                     model_pred = family.denoise(denoiser, noised.noisy, noised.timesteps, cond, guidance)
                     mask = latent_mask(batch.get("mask"), model_pred)  # --masked_loss: on the latent grid
                     losses = objective.losses(model_pred, noised, mask)  # per image
+                    if args.masked_prior_preservation_weight:  # outside the masks: the base's own prediction
+                        base_pred = base_prediction(unwrapped[family.DENOISER], lambda: family.denoise(
+                            denoiser, noised.noisy, noised.timesteps, cond, guidance))
+                        losses = losses + args.masked_prior_preservation_weight * masked_prior_losses(
+                            model_pred, base_pred, mask, noised.weights)
                     loss = prior(losses, batch["index"], accelerator) if prior else losses.mean()  # DreamBooth: 2 parts
                     # </domain>
                     accelerator.backward(loss)

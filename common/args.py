@@ -41,6 +41,16 @@ def positive_float(text):
 positive_float.__name__ = "positive number"
 
 
+def non_negative_float(text):
+    value = float(text)
+    if not value >= 0 or value == float("inf"):
+        raise ValueError
+    return value
+
+
+non_negative_float.__name__ = "non-negative number"
+
+
 def probability(text):
     value = float(text)
     if not 0.0 <= value <= 1.0:
@@ -285,6 +295,10 @@ def add_mask_args(group):
                             "relative path, any image extension) and of its size; a folder of its own, so the masks "
                             "are never read as training images (kohya's conditioning_data_dir). Without it each "
                             "image's alpha channel is its mask.")
+    group.add_argument("--masked_prior_preservation_weight", type=non_negative_float, default=0.0,
+                       help="--masked_loss: outside each mask, train the LoRA towards the base's own prediction, at "
+                            "this weight (OneTrainer's setting; one more forward pass of the base a step): what is "
+                            "masked out stays as the base draws it instead of drifting.")
 
 
 def add_latent_cache_args(group):

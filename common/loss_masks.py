@@ -91,6 +91,11 @@ def check_mask_args(args):
     """Before torch loads: --mask_data_dir's files against --train_data_dir's images (`args.mask_files` set: each
     image's mask); the flags' combinations."""
     args.mask_files = None
+    if args.masked_prior_preservation_weight and not args.masked_loss:
+        raise UserError("--masked_prior_preservation_weight keeps what the masks leave out: add --masked_loss")
+    if args.masked_prior_preservation_weight and args.train_text_encoder:
+        raise UserError("--masked_prior_preservation_weight compares with the base's prediction for the same prompt "
+                        "embedding: leave out --train_text_encoder")
     if args.mask_data_dir is None:
         return
     if not args.masked_loss:
@@ -146,3 +151,24 @@ def latent_mask(mask, like):
     if mask.shape[-2:] != like.shape[-2:]:
         mask = F.interpolate(mask, size=like.shape[-2:], mode="area")
     return mask
+
+
+def base_prediction(model, predict):
+    """predict() with the LoRA adapters of `model` (the unwrapped denoiser) off: the base's own prediction, without
+    gradients."""
+    import torch
+
+    model.disable_adapters()
+    try:
+        with torch.no_grad():
+            return predict()
+    finally:
+        model.enable_adapters()
+
+
+def masked_prior_losses(prediction, base, mask, weights=None):
+    """--masked_prior_preservation_weight's term, per sample [B]: the squared distance to the base's prediction where
+    the mask leaves the image out (1 - mask), averaged over all elements as the masked loss is, times the
+    objective's per-sample weights."""
+    loss = ((prediction.float() - base.float()) ** 2 * (1 - mask)).mean(dim=tuple(range(1, prediction.ndim)))
+    return loss if weights is None else loss * weights.float()

@@ -176,6 +176,61 @@ def test_masked_runs_with_a_mask_folder_and_with_alpha_see_the_same_data(digits,
     assert validation["0"] < read_results(tmp_path / "c")["validation_losses"]["0"]
 
 
+def test_masked_prior_preservation_compares_with_the_base_outside_the_masks(digits, tmp_path):
+    """--masked_prior_preservation_weight: by hand, the squared distance to the base's prediction where the mask is
+    0, none where it is 1; the base's prediction is the model's with its LoRA off (and the LoRA on again after). End
+    to end: the LoRA starts as the base (its B matrices are zero), so step 1's loss is the masked run's; then the
+    term pulls the LoRA and the losses part."""
+    from diffusers import FluxTransformer2DModel
+    from peft import LoraConfig
+
+    from common.loss_masks import base_prediction, masked_prior_losses
+
+    g = torch.Generator().manual_seed(0)
+    prediction, base = torch.randn(2, 4, 4, 4, generator=g), torch.randn(2, 4, 4, 4, generator=g)
+    mask = (torch.rand(2, 1, 4, 4, generator=g) > 0.5).float()
+    by_hand = [((prediction[i] - base[i]) ** 2 * (1 - mask[i])).mean() for i in range(2)]
+    assert torch.allclose(masked_prior_losses(prediction, base, mask), torch.stack(by_hand))
+    assert torch.equal(masked_prior_losses(prediction, base, torch.ones_like(mask)), torch.zeros(2))
+
+    model = FluxTransformer2DModel.from_pretrained(BASE, subfolder="transformer")
+    config = model.config
+    inputs = {"hidden_states": torch.randn(1, 4, config.in_channels, generator=g),
+              "encoder_hidden_states": torch.randn(1, 3, config.joint_attention_dim, generator=g),
+              "pooled_projections": torch.randn(1, config.pooled_projection_dim, generator=g),
+              "timestep": torch.tensor([0.5]), "img_ids": torch.zeros(4, 3), "txt_ids": torch.zeros(3, 3),
+              "return_dict": False}
+    with torch.no_grad():
+        plain = model(**inputs)[0]
+    model.add_adapter(LoraConfig(r=2, target_modules=["to_q", "to_k", "to_v"], init_lora_weights=False))
+    with torch.no_grad():
+        adapted = model(**inputs)[0]
+    assert not torch.allclose(adapted, plain)
+    assert torch.equal(base_prediction(model, lambda: model(**inputs)[0]), plain)
+    with torch.no_grad():
+        assert torch.equal(model(**inputs)[0], adapted)  # the LoRA on again
+
+    args = ["--pretrained_model_name_or_path", BASE, "--masked_loss", "--max_train_steps", "3", "--train_batch_size",
+            "4", "--rank", "2", "--learning_rate", "1e-2", "--cache_latents", "--logging_steps", "1",
+            "--checkpointing_steps", "100"]
+    data, masks = ink_folder(digits, tmp_path / "files", alpha=False)
+    launch("train_lora.py", "--train_data_dir", data, "--mask_data_dir", masks, "--output_dir", tmp_path / "a", *args)
+    launch("train_lora.py", "--train_data_dir", data, "--mask_data_dir", masks, "--output_dir", tmp_path / "b", *args,
+           "--masked_prior_preservation_weight", "1")
+    masked, kept = logged_losses(tmp_path / "a"), logged_losses(tmp_path / "b")
+    assert masked[1] == kept[1] and masked[3] != kept[3]
+
+
+@pytest.mark.parametrize("flags, needles", [
+    (["--masked_prior_preservation_weight", "1"], ["add --masked_loss"]),
+    (["--masked_loss", "--masked_prior_preservation_weight", "1", "--train_text_encoder"], ["--train_text_encoder"]),
+])
+def test_masked_prior_preservation_flags(tmp_path, flags, needles):
+    proc = run_script("train_lora.py", *flags, "--output_dir", tmp_path / "out")
+    assert_one_line_error(proc, *needles)
+    assert not (tmp_path / "out").exists()
+
+
 def mask_case(tmp_path, case):
     """A folder of two images and their masks, spoiled as `case` says."""
     images, masks = tmp_path / "images", tmp_path / "masks"
