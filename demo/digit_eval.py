@@ -6,6 +6,7 @@
 - style rate: the share of samples in the red-ink style: a light background (median luminance > 0.6) and reddish
   dark strokes (mean R - mean(G, B) > 0.25 over the darkest 15 % of the pixels). The red-ink digits themselves all
   pass (median luminance 0.83, redness 0.46), the white-on-black ones none (0.14, 0.0).
+- blot rate: the share of samples with the masked-loss demo's ink blot in the top-right corner (has_blot).
 - colours: the background (paper) colour, the median RGB of each sample's outer frame (1/16 of its width: the digits
   are centred), and the stroke colour, the mean RGB of the 15 % of its pixels farthest from that background, averaged
   over the samples (0-255). The red-ink data: paper (240, 235, 220), ink up to (170, 20, 20); the base's digits:
@@ -101,13 +102,24 @@ class Judge:
         return self.digit_of[predicted.cpu()]
 
 
+def has_blot(x):
+    """Samples that show the masked-loss demo's ink blot: where demo.digits puts it, reddish (mean R - mean(G, B) >
+    0.25; the blotted data: 0.59, the base's black corner and the red-ink paper: under 0.1)."""
+    from demo.digits import blot_box
+
+    top, bottom, left, right = blot_box(x.shape[-1])
+    corner = x[:, :, top:bottom, left:right].mean((2, 3))
+    return corner[:, 0] - corner[:, 1:].mean(1) > 0.25
+
+
 def score(images, labels, judge):
-    """-> {"content": share recognised, "style_rate": share in style, "background_rgb" and "stroke_rgb" (0-255, the
-    samples' mean), "per_digit": content per digit}."""
+    """-> {"content": share recognised, "style_rate": share in style, "blot_rate": share with the ink blot,
+    "background_rgb" and "stroke_rgb" (0-255, the samples' mean), "per_digit": content per digit}."""
     correct = judge.predict(images) == labels
     background, strokes = colour_stats(images)
     return {"content": round(correct.float().mean().item(), 4),
             "style_rate": round(in_style(images).float().mean().item(), 4),
+            "blot_rate": round(has_blot(images).float().mean().item(), 4),
             "background_rgb": [round(v) for v in (background.mean(0) * 255).tolist()],
             "stroke_rgb": [round(v) for v in (strokes.mean(0) * 255).tolist()],
             "per_digit": [round(correct[labels == d].float().mean().item(), 2) for d in range(10)]}

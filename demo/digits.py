@@ -8,6 +8,8 @@ data/digits-red-ink/{train,test}/: the same digits in a style the base never see
 captioned "a handwritten digit seven, red ink on paper": the style LoRA's data.
 data/digits-red-ink-masks/{train,test}/: a loss mask per red-ink image, same name (train_lora.py --masked_loss
 --mask_data_dir): white on the digit's strokes (ink at least a quarter strength), black on the bare paper.
+data/digits-red-ink-blot/{train,test}/: the red-ink digits with a square blot of the ink near the top-right corner,
+and in data/digits-red-ink-blot-masks/ their masks, white but for that corner's 8x8 px block: the masked-loss demo.
 data/digits-captions/<digit>/: the train split's images again, each with a same-name .txt of its captions (the
 metadata's `captions`, one per line): the caption-file layout that the Stable Diffusion trainers read too (every line
 with --enable_wildcard, else the first).
@@ -47,7 +49,30 @@ def stroke_mask(grey):
     return np.where(grey >= STROKE, 255, 0).astype(np.uint8)
 
 
-def write_digits(output_dir, size=32, test_fraction=0.2, seed=0, styled_dir=None, captions_dir=None, masks_dir=None):
+def blot_box(size):
+    """(top, bottom, left, right) of the ink blot of an image `size` px wide: near the top-right corner, inside the
+    8x8 px block (of 32 px) that the blot masks leave out, one token of the tiny Flux base."""
+    k = size / 32
+    return round(1 * k), round(7 * k), round(25 * k), round(31 * k)
+
+
+def ink_blot(rgb):
+    """uint8 [H, W, 3] red-ink image -> a copy with a square blot of the ink near its top-right corner."""
+    top, bottom, left, right = blot_box(rgb.shape[1])
+    out = rgb.copy()
+    out[top:bottom, left:right] = INK
+    return out
+
+
+def blot_mask(size):
+    """uint8 [H, W] loss mask of a blotted image: 255 everywhere but the corner block that holds the blot."""
+    mask = np.full((size, size), 255, np.uint8)
+    mask[:size // 4, size - size // 4:] = 0
+    return mask
+
+
+def write_digits(output_dir, size=32, test_fraction=0.2, seed=0, styled_dir=None, captions_dir=None, masks_dir=None,
+                 blot_dir=None):
     from sklearn.datasets import load_digits
     from sklearn.model_selection import train_test_split
 
@@ -57,17 +82,20 @@ def write_digits(output_dir, size=32, test_fraction=0.2, seed=0, styled_dir=None
     train_idx, test_idx = train_test_split(index, test_size=test_fraction, stratify=digits.target, random_state=seed)
     rng = np.random.default_rng(seed)
     pools = [suffix_pool(rng) for _ in NAMES]
-    imagefolders = [output_dir] + ([styled_dir] if styled_dir else [])
     masks_dir = masks_dir if styled_dir else None  # (masks of the red-ink images)
-    outputs = imagefolders + ([captions_dir] if captions_dir else []) + ([masks_dir] if masks_dir else [])
+    blot_dir = blot_dir if styled_dir else None
+    blot_masks = blot_dir.rstrip("/") + "-masks" if blot_dir else None
+    imagefolders = [output_dir] + ([styled_dir] if styled_dir else []) + ([blot_dir] if blot_dir else [])
+    outputs = imagefolders + [d for d in (captions_dir, masks_dir, blot_masks) if d]
     for out in outputs:
         shutil.rmtree(out.rstrip("/") + ".tmp", ignore_errors=True)
     for split, indices in (("train", train_idx), ("test", test_idx)):
         folders = [os.path.join(out.rstrip("/") + ".tmp", split) for out in imagefolders]
         for folder in folders:
             os.makedirs(folder)
-        if masks_dir:
-            os.makedirs(os.path.join(masks_dir.rstrip("/") + ".tmp", split))
+        for folder in (masks_dir, blot_masks):
+            if folder:
+                os.makedirs(os.path.join(folder.rstrip("/") + ".tmp", split))
         metas = [open(os.path.join(folder, "metadata.jsonl"), "w") for folder in folders]
         for i in sorted(indices):
             label = int(digits.target[i])
@@ -81,6 +109,10 @@ def write_digits(output_dir, size=32, test_fraction=0.2, seed=0, styled_dir=None
                 metas[1].write(json.dumps({"file_name": name, "label": label, "text": text + STYLE}) + "\n")
             if masks_dir:
                 Image.fromarray(stroke_mask(grey), "L").save(os.path.join(masks_dir.rstrip("/") + ".tmp", split, name))
+            if blot_dir:
+                Image.fromarray(ink_blot(red_ink(grey)), "RGB").save(os.path.join(folders[2], name))
+                metas[2].write(json.dumps({"file_name": name, "label": label, "text": text + STYLE}) + "\n")
+                Image.fromarray(blot_mask(size), "L").save(os.path.join(blot_masks + ".tmp", split, name))
             if captions_dir and split == "train":
                 folder = os.path.join(captions_dir.rstrip("/") + ".tmp", str(label))
                 os.makedirs(folder, exist_ok=True)
@@ -103,11 +135,17 @@ if __name__ == "__main__":
                         help="The train split with .txt captions ('' for none).")
     parser.add_argument("--masks_dir", default="data/digits-red-ink-masks",
                         help="A loss mask per red-ink image: its strokes ('' for none).")
+    parser.add_argument("--blot_dir", default="data/digits-red-ink-blot",
+                        help="The red-ink copy with an ink blot in a corner, its masks beside it in <dir>-masks "
+                             "(the corner left out) ('' for none).")
     parser.add_argument("--resolution", type=int, default=32)
     args = parser.parse_args()
     n_train, n_test = write_digits(args.output_dir, size=args.resolution, styled_dir=args.styled_dir or None,
-                                   captions_dir=args.captions_dir or None, masks_dir=args.masks_dir or None)
+                                   captions_dir=args.captions_dir or None, masks_dir=args.masks_dir or None,
+                                   blot_dir=args.blot_dir or None)
     print(f"wrote {n_train} train and {n_test} test images to {args.output_dir}"
           + (f", their red-ink copy to {args.styled_dir}" if args.styled_dir else "")
           + (f" with its stroke masks in {args.masks_dir}" if args.styled_dir and args.masks_dir else "")
+          + (f", a copy with an ink blot in {args.blot_dir} (masks: {args.blot_dir}-masks)" if args.styled_dir
+             and args.blot_dir else "")
           + (f", the train images with .txt captions to {args.captions_dir}" if args.captions_dir else ""))

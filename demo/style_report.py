@@ -67,8 +67,8 @@ def main(args):
     print(f"style LoRA ({10 * args.per_digit} samples per scale, \"a handwritten digit <d>, red ink on paper\"):")
     for row in sweep:
         print(f"  LoRA scale {row['lora_scale']:<4g} style rate {row['style_rate']:6.1%}   content "
-              f"{row['content']:6.1%}   background RGB {tuple(row['background_rgb'])}   strokes RGB "
-              f"{tuple(row['stroke_rgb'])}")
+              f"{row['content']:6.1%}   ink blot {row['blot_rate']:6.1%}   background RGB "
+              f"{tuple(row['background_rgb'])}   strokes RGB {tuple(row['stroke_rgb'])}")
     losses = existing.get("validation_losses")
     if losses:  # --validation_split: the held-out red-ink digits' denoising loss, before and after
         first, last = min(losses, key=int), max(losses, key=int)

@@ -47,7 +47,7 @@ def test_red_ink_copy_is_the_same_digits_restyled(tmp_path):
     from demo.digit_eval import in_style
     from demo.digits import write_digits
 
-    write_digits(str(tmp_path / "plain"), styled_dir=str(tmp_path / "red"))
+    write_digits(str(tmp_path / "plain"), styled_dir=str(tmp_path / "red"), blot_dir=str(tmp_path / "blot"))
     plain = [json.loads(line) for line in (tmp_path / "plain/train/metadata.jsonl").read_text().splitlines()]
     red = [json.loads(line) for line in (tmp_path / "red/train/metadata.jsonl").read_text().splitlines()]
     assert [r["file_name"] for r in red] == [r["file_name"] for r in plain]
@@ -58,6 +58,21 @@ def test_red_ink_copy_is_the_same_digits_restyled(tmp_path):
                             for r in rows[:50]]).permute(0, 3, 1, 2).float() / 255
 
     assert in_style(load("red", red)).all() and not in_style(load("plain", plain)).any()
+    # the masked-loss demo's copy: the red-ink digits and a blot (has_blot finds it in all; in a few of the red-ink
+    # digits whose strokes reach that corner, in none of the white ones),
+    # its masks leaving out the corner block that holds the blot, and nothing else
+    from demo.digit_eval import has_blot
+    from demo.digits import blot_box
+
+    blot = load("blot", red)
+    assert has_blot(blot).all() and has_blot(load("red", red)).float().mean() < 0.05
+    assert not has_blot(load("plain", plain)).any()
+    top, bottom, left, right = blot_box(32)
+    outside = torch.ones(32, 32, dtype=torch.bool)
+    outside[top:bottom, left:right] = False
+    assert torch.equal(blot[:, :, outside], load("red", red)[:, :, outside])
+    mask = torch.from_numpy(np.array(Image.open(tmp_path / "blot-masks" / "train" / red[0]["file_name"]))) > 0
+    assert not mask[:8, 24:].any() and mask.sum() == 32 * 32 - 64 and not (mask & ~outside).any()
 
 
 def _data_args(**kw):
