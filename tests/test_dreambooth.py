@@ -146,6 +146,7 @@ def test_class_images_train_everywhere_beside_masked_instances(instances, tmp_pa
         Image.open(image).convert("L").save(tmp_path / "masks" / image.name)
     shutil.copytree(instances, tmp_path / "class")
     args = argparse.Namespace(masked_loss=True, mask_data_dir=str(tmp_path / "masks"), dataset_name=None,
+                              masked_prior_preservation_weight=0.0, train_text_encoder=False,
                               train_data_dir=str(instances), image_column="image", caption_column="text",
                               resolution=32, center_crop=True, random_flip=False, seed=0)
     check_mask_args(args)
