@@ -8,10 +8,12 @@ input) and calls its denoiser. The denoiser frozen, LoRA (init_lora_weights="gau
 (optionally on the CLIP text encoders too), trained on the family's objective (common/objectives.py; the other
 objective's flags are refused); frozen weights in fp16/bf16, LoRA in fp32; latents (--cache_latents) and prompt
 embeddings computed once, then the text encoders leave the accelerator; caption dropout, an EMA of the LoRA weights
-(--use_ema: what gets exported), validation images, a held-out loss, resumable checkpoints. Writes
-pytorch_lora_weights.safetensors (`pipe.load_lora_weights(output_dir)`), beside it
-pytorch_lora_weights_kohya.safetensors for ComfyUI, Forge and A1111, a model card, and lora_info.json, from which
-sample.py finds the base model.
+(--use_ema: what gets exported), validation images, a held-out loss, resumable checkpoints. Also DreamBooth with prior
+preservation (common/dreambooth.py: class images the base draws once), a loss mask per image (--masked_loss,
+common/loss_masks.py), and LyCORIS's LoHa and LoKr instead of LoRA (--adapter, through peft). Writes
+pytorch_lora_weights.safetensors (`pipe.load_lora_weights(output_dir)`; LoHa/LoKr: peft_adapter_weights.safetensors,
+which sample.py loads through peft), beside it pytorch_lora_weights_kohya.safetensors for ComfyUI, Forge and A1111, a
+model card, and lora_info.json, from which sample.py finds the base model.
 
 Defaults suit a real base: --resolution is the base's native size (its VAE's sample_size, 512 for SD 1.5),
 --learning_rate 1e-4, --train_batch_size 16, as in diffusers' LoRA example.
