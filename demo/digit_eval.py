@@ -45,6 +45,17 @@ def generate(pipe, family, prompts, guidance_scale, num_inference_steps, seed=0,
     return torch.cat(out)
 
 
+def load_adapter(pipe, lora):
+    """A train_lora.py output into the pipeline as sample.py loads it: a LoRA with diffusers' load_lora_weights, a
+    LoHa or LoKr (peft_adapter_weights.safetensors) through peft; either scales with the pipeline's LoRA scale."""
+    from common.lora_files import load_peft_adapters, peft_adapter_configs
+
+    if peft_adapter_configs(lora) is not None:
+        load_peft_adapters(pipe, lora, "default_0")
+    else:
+        pipe.load_lora_weights(lora)
+
+
 def luminance(x):
     return 0.299 * x[:, 0] + 0.587 * x[:, 1] + 0.114 * x[:, 2]
 

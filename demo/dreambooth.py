@@ -2,11 +2,12 @@
 
 `python -m demo.dreambooth data`: data/dreambooth/instance/, the first --instances red-ink sevens of the train split
 (data/digits-red-ink, `make data`), for --instance_data_dir with --instance_prompt "a handwritten digit seven, sks".
-`python -m demo.dreambooth report --lora outputs/dreambooth`: the LoRA's base with `load_lora_weights`, --per_prompt
-seeds of each prompt: "a handwritten digit seven, sks" (the instance prompt: the style should show), "a handwritten
-digit seven" (the class prompt: it should not), and "a handwritten digit <d>" for the nine other digits (drift into
-the rest of the language), with sample.py's default sampler, steps and guidance. Measured by demo/digit_eval.py (style
-rate, content); the numbers go into the LoRA's all_results.json under "dreambooth_eval" and are printed.
+`python -m demo.dreambooth report --lora outputs/dreambooth`: the LoRA's base with the LoRA (a LoHa or LoKr through
+peft), --per_prompt seeds of each prompt: "a handwritten digit seven, sks" (the instance prompt: the style should show),
+"a handwritten digit seven" (the class prompt: it should not), and "a handwritten digit <d>" for the nine other digits
+(drift into the rest of the language), with sample.py's default sampler, steps and guidance. Measured by
+demo/digit_eval.py (style rate, content); the numbers go into the LoRA's all_results.json under "dreambooth_eval" and
+are printed.
 """
 import argparse
 import json
@@ -38,14 +39,14 @@ def report(lora, per_prompt, judge_path, seed):
     from common.diffusion import sampling_scheduler
     from common.families import load_family
     from common.lora_files import read_lora_info
-    from demo.digit_eval import Judge, generate, score
+    from demo.digit_eval import Judge, generate, load_adapter, score
 
     info = read_lora_info(lora)
     family = load_family(info["base_model"], "the LoRA's base", uses="the DreamBooth report draws from")
     pipe = getattr(diffusers, family.PIPELINE).from_pretrained(info["base_model"], dtype=torch.float32)
     pipe.scheduler = sampling_scheduler(family.SAMPLER, pipe.scheduler.config, family.SAMPLERS)
     pipe.set_progress_bar_config(disable=True)
-    pipe.load_lora_weights(lora)
+    load_adapter(pipe, lora)  # (a LoHa or LoKr through peft)
     judge = Judge(judge_path)
     seven = NAMES.index("seven")
     others = [d for d in range(10) if d != seven]
@@ -91,12 +92,12 @@ def main(argv=None):
     else:
         import torch
 
-        from common.cli import quiet_libraries, quiet_loading_bars
+        from common.cli import quiet_libraries, quiet_loading_bars, run
 
         quiet_libraries()
         quiet_loading_bars()
         torch.set_num_threads(max(1, min(torch.get_num_threads(), 2)))
-        report(args.lora, args.per_prompt, args.judge, args.seed)
+        run(lambda a: report(a.lora, a.per_prompt, a.judge, a.seed), lambda _: args)  # (a wrong --lora: one line)
 
 
 if __name__ == "__main__":

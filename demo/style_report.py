@@ -1,11 +1,12 @@
 """`python -m demo.style_report --lora outputs/lora`: what the red-ink style LoRA of `make train-lora` learned.
 
-The LoRA's base (from lora_info.json) with `load_lora_weights`, prompted "a handwritten digit <d>, red ink on paper"
-for each digit, `--per_digit` seeds each, at each LoRA scale of `--lora_scales` (0 is the base alone: the style
-prompt without the LoRA), with sample.py's default sampler, steps and guidance. Measured by demo/digit_eval.py:
-style rate (share of samples in the red-ink style) and content (share the digit classifier recognises as the
-prompted digit once the style is undone), the background (paper) and stroke colours. Writes side_by_side.png (a
-row per scale, a column per digit, same seeds) and the numbers into the LoRA's all_results.json, and prints them.
+The LoRA's base (from lora_info.json) with the LoRA (`load_lora_weights`; a LoHa or LoKr through peft), prompted "a
+handwritten digit <d>, red ink on paper" for each digit, `--per_digit` seeds each, at each LoRA scale of `--lora_scales`
+(0 is the base alone: the style prompt without the LoRA), with sample.py's default sampler, steps and guidance. Measured
+by demo/digit_eval.py: style rate (share of samples in the red-ink style) and content (share the digit classifier
+recognises as the prompted digit once the style is undone), the background (paper) and stroke colours. Writes
+side_by_side.png (a row per scale, a column per digit, same seeds) and the numbers into the LoRA's all_results.json, and
+prints them.
 """
 import argparse
 import json
@@ -29,16 +30,15 @@ def main(args):
 
     from common.diffusion import image_grid, sampling_scheduler, to_pil
     from common.families import load_family
-    from common.lora_files import check_lora_format, read_lora_info
-    from demo.digit_eval import Judge, digit_prompts, generate, score
+    from common.lora_files import read_lora_info
+    from demo.digit_eval import Judge, digit_prompts, generate, load_adapter, score
 
-    check_lora_format(args.lora, [], "--lora")  # a LoHa or LoKr: load_lora_weights below cannot read it
     info = read_lora_info(args.lora)
     family = load_family(info["base_model"], "the LoRA's base", uses="the style report draws from")
     pipe = getattr(diffusers, family.PIPELINE).from_pretrained(info["base_model"], dtype=torch.float32)
     pipe.scheduler = sampling_scheduler(family.SAMPLER, pipe.scheduler.config, family.SAMPLERS)
     pipe.set_progress_bar_config(disable=True)
-    pipe.load_lora_weights(args.lora)
+    load_adapter(pipe, args.lora)  # (a LoHa or LoKr through peft)
     judge = Judge(args.judge)
     prompts, labels = digit_prompts(args.per_digit, style=True)
     rows, sweep, start = [], [], time.time()
