@@ -191,7 +191,7 @@ DEFAULTS = {"negative_prompt": "", "guidance_rescale": 0.0}  # the pipelines' ow
 def sample_pipeline(args):
     """A text-to-image pipeline of a known family (hub id or folder) with --lora PATH[:SCALE]..., or a train_lora.py
     output or checkpoint-N (its base is read from its lora_info.json). Image j of every prompt starts from seed + j."""
-    from common.base_models import check_pipeline_folder, load_error
+    from common.base_models import check_pipeline_folder
     from common.families import check_lora_base, family_module, family_of
     from common.lora_files import (
         LORA_WEIGHTS,
@@ -243,14 +243,13 @@ def sample_pipeline(args):
 
     import warnings
 
-    import diffusers
-    import torch
     from diffusers.utils import logging as diffusers_logging
     from transformers.utils import logging as transformers_logging
 
     quiet_loading_bars()
 
     from common.diffusion import sampling_scheduler
+    from common.drawing import load_pipeline
 
     if family is None:  # a hub base: its model_index.json alone, before the weights
         family = family_module(family_of(base, base_flag, revision=base_version.get("revision"), uses=uses))
@@ -258,13 +257,8 @@ def sample_pipeline(args):
         for path in local:
             check_lora_base("--lora", path, *local[path], base, family.KEY)
     device, dtype = device_and_dtype(args.device, args.dtype)
-    dropped = {name: None for name in family.OPTIONAL_COMPONENTS or ()} if args.drop_t5 else {}
-    try:  # the VAE in fp32 whatever --dtype says: an fp16 one decodes into black images (SDXL's above all)
-        vae = diffusers.AutoencoderKL.from_pretrained(base, subfolder="vae", dtype=torch.float32, **base_version)
-        pipe = getattr(diffusers, family.PIPELINE).from_pretrained(base, vae=vae, dtype=dtype, **dropped,
-                                                                   **base_version)
-    except (OSError, ValueError) as err:
-        raise load_error("--model", base, err) from None
+    dropped = (family.OPTIONAL_COMPONENTS or ()) if args.drop_t5 else ()
+    pipe = load_pipeline(family, base, "--model", dtype, drop=dropped, **base_version)  # (its VAE in fp32)
     if info and info.get("prediction_type"):  # the LoRA was trained to predict something else than its base
         pipe.scheduler.register_to_config(prediction_type=info["prediction_type"])
     pipe.scheduler = sampling_scheduler(args.scheduler or family.SAMPLER, pipe.scheduler.config, family.SAMPLERS)

@@ -1,6 +1,23 @@
-"""Images from a text-to-image pipeline of any family, as sample.py draws them: one generator per image (so an image
-does not depend on the batch it is drawn in), latents decoded by the VAE in fp32. train_lora.py draws DreamBooth's
-class images with it too."""
+"""Images from a text-to-image pipeline of any family, as sample.py draws them: the pipeline loaded with its VAE in
+fp32, one generator per image (so an image does not depend on the batch it is drawn in), latents decoded by that VAE.
+train_lora.py draws DreamBooth's class images with it too."""
+
+
+def load_pipeline(family, base, flag, dtype, drop=(), **source):
+    """The family's pipeline from `base` in `dtype`, its VAE in fp32 whatever `dtype` says (an fp16 VAE decodes into
+    black images, SDXL's above all); `drop`: components left out (None); source: revision, variant, cache_dir. A base
+    that does not load: one line naming `flag`."""
+    import diffusers
+    import torch
+
+    from .base_models import load_error
+
+    try:
+        vae = diffusers.AutoencoderKL.from_pretrained(base, subfolder="vae", dtype=torch.float32, **source)
+        return getattr(diffusers, family.PIPELINE).from_pretrained(base, vae=vae, dtype=dtype, **source,
+                                                                   **{name: None for name in drop})
+    except (OSError, ValueError) as err:
+        raise load_error(flag, base, err) from None
 
 
 def draw_images(pipe, family, prompts, seeds, height, width, steps, guidance, negative_prompt=None, **kwargs):

@@ -39,7 +39,7 @@ def add_dreambooth_args(parser):
     g.add_argument("--sample_batch_size", type=positive_int, default=4, help="Batch size of the class-image draw.")
 
 
-def image_files(folder):
+def folder_images(folder):
     """The image files directly in `folder` (sorted names), as diffusers' DreamBooth scripts list them."""
     return sorted(name for name in os.listdir(folder) if os.path.splitext(name)[1].lower() in IMAGE_EXTENSIONS
                   and os.path.isfile(os.path.join(folder, name)))
@@ -75,7 +75,7 @@ def check_dreambooth_args(args):
         if args.buckets == "auto":
             raise UserError("--with_prior_preservation trains with square class images: leave out --buckets auto")
         folder = args.class_data_dir
-        if not os.path.isdir(folder) or len(image_files(folder)) < args.num_class_images:  # some will be drawn
+        if not os.path.isdir(folder) or len(folder_images(folder)) < args.num_class_images:  # some will be drawn
             check_writable(folder, "--class_data_dir")
         if os.path.isdir(folder):
             read_manifest(folder)
@@ -87,7 +87,7 @@ def check_dreambooth_args(args):
         return
     if args.dataset_name is not None:
         raise UserError("--instance_data_dir replaces --dataset_name: give one of them")
-    if not os.path.isdir(args.instance_data_dir) or not image_files(args.instance_data_dir):
+    if not os.path.isdir(args.instance_data_dir) or not folder_images(args.instance_data_dir):
         raise UserError(f"--instance_data_dir '{args.instance_data_dir}' is not a folder of images; give the "
                         "folder that holds the instance images")
     args.train_data_dir = args.instance_data_dir
@@ -98,7 +98,7 @@ def instance_reader(args):
     def read(path):
         import datasets
 
-        names = image_files(path)
+        names = folder_images(path)
         return datasets.DatasetDict({"train": datasets.Dataset.from_dict(
             {args.image_column: [os.path.join(path, name) for name in names],
              args.caption_column: [args.instance_prompt] * len(names)}).cast_column(args.image_column,
@@ -119,7 +119,7 @@ def class_images(args, accelerator, family, dtype, logger):
                   if manifest.get("drawn_by", {}).get(k) != wanted[k]]
         raise UserError(f"--class_data_dir '{folder}' holds class images drawn with {', '.join(differ)}; give another "
                         "--class_data_dir (or empty this one to draw them again)")
-    existing = image_files(folder) if os.path.isdir(folder) else []
+    existing = folder_images(folder) if os.path.isdir(folder) else []
     # the main process's view decides what is drawn (a machine without a shared disk may see none)
     existing = broadcast_object_list([existing if accelerator.is_main_process else None])[0]
     missing = args.num_class_images - len(existing)
@@ -160,24 +160,15 @@ def draw_class_images(args, accelerator, family, dtype, names):
     --sample_batch_size, batch k drawn by process k mod N, image `number` from seed + number."""
     import io
 
-    import diffusers
-    import torch
     from accelerate.utils import gather_object
 
-    from .base_models import load_error
     from .cli import quiet_loading_bars
     from .diffusion import sampling_scheduler
-    from .drawing import draw_images
+    from .drawing import draw_images, load_pipeline
 
     quiet_loading_bars()
-    base = args.pretrained_model_name_or_path
-    try:  # the VAE in fp32, as sample.py loads it
-        vae = diffusers.AutoencoderKL.from_pretrained(base, subfolder="vae", dtype=torch.float32,
-                                                      revision=args.revision, cache_dir=args.cache_dir)
-        pipe = getattr(diffusers, family.PIPELINE).from_pretrained(base, vae=vae, dtype=dtype, revision=args.revision,
-                                                                   variant=args.variant, cache_dir=args.cache_dir)
-    except (OSError, ValueError) as err:
-        raise load_error("--pretrained_model_name_or_path", base, err) from None
+    pipe = load_pipeline(family, args.pretrained_model_name_or_path, "--pretrained_model_name_or_path", dtype,
+                         revision=args.revision, variant=args.variant, cache_dir=args.cache_dir)
     pipe.scheduler = sampling_scheduler(family.SAMPLER, pipe.scheduler.config, family.SAMPLERS)
     pipe.set_progress_bar_config(disable=True)
     pipe.to(accelerator.device)
@@ -193,7 +184,7 @@ def draw_class_images(args, accelerator, family, dtype, names):
             data = io.BytesIO()
             image.save(data, format="PNG")
             mine.append((name, data.getvalue()))
-    del pipe, vae
+    del pipe
     return sorted(gather_object(mine) if accelerator.num_processes > 1 else mine)
 
 

@@ -15,30 +15,20 @@ weight). A dataset without masks (DreamBooth's class images) takes all-ones mask
 import os
 
 from .args import IMAGE_EXTENSIONS
+from .caption_files import listed, tree_files
 from .cli import UserError
-
-SHOWN = 3
-
-
-def listed(paths):
-    return ", ".join(paths[:SHOWN]) + (f" and {len(paths) - SHOWN} more" if len(paths) > SHOWN else "")
 
 
 def image_files(root):
     """{relative path without extension: relative path} of the image files under `root` (hidden ones skipped), and
     the other files' relative paths."""
     images, others = {}, []
-    for folder, dirs, files in os.walk(root):
-        dirs[:] = sorted(name for name in dirs if not name.startswith("."))
-        for name in sorted(files):
-            if name.startswith("."):
-                continue
-            path = os.path.normpath(os.path.join(os.path.relpath(folder, root), name)).replace(os.sep, "/")
-            stem, ext = os.path.splitext(path)
-            if ext.lower() in IMAGE_EXTENSIONS:
-                images.setdefault(stem, []).append(path)
-            else:
-                others.append(path)
+    for path in tree_files(root):
+        stem, ext = os.path.splitext(path)
+        if ext.lower() in IMAGE_EXTENSIONS:
+            images.setdefault(stem, []).append(path)
+        else:
+            others.append(path)
     return images, others
 
 

@@ -45,15 +45,42 @@ def generate(pipe, family, prompts, guidance_scale, num_inference_steps, seed=0,
     return torch.cat(out)
 
 
-def load_adapter(pipe, lora):
-    """A train_lora.py output into the pipeline as sample.py loads it: a LoRA with diffusers' load_lora_weights, a
-    LoHa or LoKr (peft_adapter_weights.safetensors) through peft; either scales with the pipeline's LoRA scale."""
-    from common.lora_files import load_peft_adapters, peft_adapter_configs
+def lora_pipeline(lora, uses):
+    """A train_lora.py output on its base (from lora_info.json), as sample.py loads it: the base with sample.py's
+    default sampler, the LoRA with diffusers' load_lora_weights, a LoHa or LoKr (peft_adapter_weights.safetensors)
+    through peft; either scales with the pipeline's LoRA scale. -> (pipe, family)."""
+    import torch
 
+    from common.diffusion import sampling_scheduler
+    from common.drawing import load_pipeline
+    from common.families import load_family
+    from common.lora_files import load_peft_adapters, peft_adapter_configs, read_lora_info
+
+    base = read_lora_info(lora)["base_model"]
+    family = load_family(base, "the LoRA's base", uses=uses)
+    pipe = load_pipeline(family, base, "the LoRA's base", torch.float32)
+    pipe.scheduler = sampling_scheduler(family.SAMPLER, pipe.scheduler.config, family.SAMPLERS)
+    pipe.set_progress_bar_config(disable=True)
     if peft_adapter_configs(lora) is not None:
         load_peft_adapters(pipe, lora, "default_0")
     else:
         pipe.load_lora_weights(lora)
+    return pipe, family
+
+
+def add_results(lora, results):
+    """Merge `results` into the LoRA's all_results.json. -> what the file held before."""
+    import json
+    import os
+
+    path = os.path.join(lora, "all_results.json")
+    existing = {}
+    if os.path.isfile(path):
+        with open(path) as f:
+            existing = json.load(f)
+    with open(path, "w") as f:
+        json.dump({**existing, **results}, f, indent=2)
+    return existing
 
 
 def luminance(x):

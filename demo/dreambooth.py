@@ -33,20 +33,11 @@ def write_instances(source, output, digit, count):
 
 
 def report(lora, per_prompt, judge_path, seed):
-    import diffusers
     import torch
 
-    from common.diffusion import sampling_scheduler
-    from common.families import load_family
-    from common.lora_files import read_lora_info
-    from demo.digit_eval import Judge, generate, load_adapter, score
+    from demo.digit_eval import Judge, add_results, generate, lora_pipeline, score
 
-    info = read_lora_info(lora)
-    family = load_family(info["base_model"], "the LoRA's base", uses="the DreamBooth report draws from")
-    pipe = getattr(diffusers, family.PIPELINE).from_pretrained(info["base_model"], dtype=torch.float32)
-    pipe.scheduler = sampling_scheduler(family.SAMPLER, pipe.scheduler.config, family.SAMPLERS)
-    pipe.set_progress_bar_config(disable=True)
-    load_adapter(pipe, lora)  # (a LoHa or LoKr through peft)
+    pipe, family = lora_pipeline(lora, uses="the DreamBooth report draws from")  # (a LoHa or LoKr through peft)
     judge = Judge(judge_path)
     seven = NAMES.index("seven")
     others = [d for d in range(10) if d != seven]
@@ -63,10 +54,7 @@ def report(lora, per_prompt, judge_path, seed):
     results = {"dreambooth_eval": {**results, "instance_prompt": INSTANCE_PROMPT, "class_prompt": CLASS_PROMPT,
                                    "sampler": family.SAMPLER, "num_inference_steps": family.SAMPLE_STEPS,
                                    "guidance_scale": family.SAMPLE_GUIDANCE}}
-    path = os.path.join(lora, "all_results.json")
-    existing = json.load(open(path)) if os.path.isfile(path) else {}
-    with open(path, "w") as f:
-        json.dump({**existing, **results}, f, indent=2)
+    add_results(lora, results)
     print(f"DreamBooth LoRA {lora} ({per_prompt} samples per prompt):")
     for name, row in results["dreambooth_eval"].items():
         if isinstance(row, dict):

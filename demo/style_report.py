@@ -9,7 +9,6 @@ side_by_side.png (a row per scale, a column per digit, same seeds) and the numbe
 prints them.
 """
 import argparse
-import json
 import os
 import time
 
@@ -25,20 +24,12 @@ def parse_args(argv=None):
 
 
 def main(args):
-    import diffusers
     import torch
 
-    from common.diffusion import image_grid, sampling_scheduler, to_pil
-    from common.families import load_family
-    from common.lora_files import read_lora_info
-    from demo.digit_eval import Judge, digit_prompts, generate, load_adapter, score
+    from common.diffusion import image_grid, to_pil
+    from demo.digit_eval import Judge, add_results, digit_prompts, generate, lora_pipeline, score
 
-    info = read_lora_info(args.lora)
-    family = load_family(info["base_model"], "the LoRA's base", uses="the style report draws from")
-    pipe = getattr(diffusers, family.PIPELINE).from_pretrained(info["base_model"], dtype=torch.float32)
-    pipe.scheduler = sampling_scheduler(family.SAMPLER, pipe.scheduler.config, family.SAMPLERS)
-    pipe.set_progress_bar_config(disable=True)
-    load_adapter(pipe, args.lora)  # (a LoHa or LoKr through peft)
+    pipe, family = lora_pipeline(args.lora, uses="the style report draws from")  # (a LoHa or LoKr through peft)
     judge = Judge(args.judge)
     prompts, labels = digit_prompts(args.per_digit, style=True)
     rows, sweep, start = [], [], time.time()
@@ -57,13 +48,7 @@ def main(args):
                               args.per_digit, "sampler": family.SAMPLER, "num_inference_steps": family.SAMPLE_STEPS,
                               "guidance_scale": family.SAMPLE_GUIDANCE, "lora_scale_sweep": sweep,
                               "time_s": round(time.time() - start, 1)}}
-    path = os.path.join(args.lora, "all_results.json")
-    existing = {}
-    if os.path.isfile(path):
-        with open(path) as f:
-            existing = json.load(f)
-    with open(path, "w") as f:
-        json.dump({**existing, **results}, f, indent=2)
+    existing = add_results(args.lora, results)
     print(f"style LoRA ({10 * args.per_digit} samples per scale, \"a handwritten digit <d>, red ink on paper\"):")
     for row in sweep:
         print(f"  LoRA scale {row['lora_scale']:<4g} style rate {row['style_rate']:6.1%}   content "
