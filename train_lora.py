@@ -76,7 +76,7 @@ from common.checkpoints import agreed_checkpoint, detect_shared_output_dir, read
 from common.cli import quiet_loading_bars, run
 from common.dreambooth import add_dreambooth_args, check_dreambooth_args
 from common.lora_adapters import add_adapter_args, check_lora_args, check_resumed_lora, comma_list, is_adapter_weight
-from common.lora_files import LORA_EMA_STATE
+from common.lora_files import LORA_EMA_STATE, lora_info
 from common.loss_masks import base_prediction, check_mask_args, latent_mask, masked_prior_losses
 from common.objectives import add_objective_args
 from common.optimizers import OPTIMIZERS, add_optimizer_args, check_optimizer_args
@@ -520,19 +520,6 @@ def main(args):
     finally:
         progress.close()
         accelerator.end_training()
-
-
-def lora_info(args):
-    """What sample.py and a resumed run need to know about this LoRA (lora_info.json, checkpoint_info.json)."""
-    base = args.pretrained_model_name_or_path
-    return {"base_model": os.path.abspath(base) if os.path.isdir(base) else base, "revision": args.revision,
-            "variant": args.variant, "rank": args.rank, "lora_alpha": args.lora_alpha,
-            "adapter": args.adapter, "lokr_factor": args.lokr_factor,  # lora, loha, lokr (common/lora_adapters.py)
-            "target_modules": args.target_modules, "use_dora": args.use_dora,
-            "train_text_encoder": args.train_text_encoder, "prediction_type": args.prediction_type,
-            "max_sequence_length": args.max_sequence_length,  # T5's prompt length: sample.py's default too
-            "ema_weights": args.use_ema,  # the weights in pytorch_lora_weights.safetensors are the EMA ones
-            "trigger": args.instance_prompt or args.caption_prefix.strip(" ,") or None}  # what prompts need to show it
 
 
 if __name__ == "__main__":

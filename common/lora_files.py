@@ -41,6 +41,20 @@ def check_safetensors(path, flag):
     return [name for name in safetensors_header(path, flag) if name != "__metadata__"]
 
 
+def lora_info(args):
+    """What sample.py and a resumed run need to know about train_lora.py's LoRA, from its flags (lora_info.json,
+    checkpoint_info.json)."""
+    base = args.pretrained_model_name_or_path
+    return {"base_model": os.path.abspath(base) if os.path.isdir(base) else base, "revision": args.revision,
+            "variant": args.variant, "rank": args.rank, "lora_alpha": args.lora_alpha,
+            "adapter": args.adapter, "lokr_factor": args.lokr_factor,  # lora, loha, lokr (common/lora_adapters.py)
+            "target_modules": args.target_modules, "use_dora": args.use_dora,
+            "train_text_encoder": args.train_text_encoder, "prediction_type": args.prediction_type,
+            "max_sequence_length": args.max_sequence_length,  # T5's prompt length: sample.py's default too
+            "ema_weights": args.use_ema,  # the weights in pytorch_lora_weights.safetensors are the EMA ones
+            "trigger": args.instance_prompt or args.caption_prefix.strip(" ,") or None}  # what prompts need to show it
+
+
 def write_lora_info(folder, info):
     """info: base_model, revision, variant, rank, lora_alpha, target_modules, ... (JSON-able)."""
     os.makedirs(folder, exist_ok=True)
