@@ -221,11 +221,13 @@ def main(args):
     condition = Conditioning(family, parts, captions.prompts, args.max_sequence_length, accelerator.device,
                              family.empty_prompt_zeros(read_model_index(path, flag, args.revision, args.cache_dir)))
 
+    latent_config = family.latent_config(vae)  # the VAE's latents -> the denoiser's (common/vae.py)
+
     def encode(pixel_values):  # -> parameters (mean, log-variance) of the VAE's latent distribution, in fp32
         return encode_params(vae, pixel_values)
 
     held_out_loss = None if held_out is None else HeldOutLoss(
-        held_out, encode, vae.config, list(range(len(held_out))), objective, accelerator, args.seed,
+        held_out, encode, latent_config, list(range(len(held_out))), objective, accelerator, args.seed,
         args.train_batch_size)
     loader_batches = batching(sizes, args.train_batch_size, args.seed, train_data)  # one bucket each with --buckets
     if args.cache_latents:
@@ -345,7 +347,7 @@ def main(args):
                 with accelerator.accumulate(*models):
                     # <domain: the loss>
                     params = batch["latent_params"] if args.cache_latents else encode(batch["pixel_values"])
-                    noised = objective(sample_latents(params, vae.config))  # noisy input, timesteps, target, weights
+                    noised = objective(sample_latents(params, latent_config))  # noisy input, timesteps, target, weights
                     cond = condition(captions.pick(batch["index"], epoch), batch["index"], train_data)
                     model_pred = family.denoise(denoiser, noised.noisy, noised.timesteps, cond, guidance)
                     loss = objective.losses(model_pred, noised).mean()

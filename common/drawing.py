@@ -13,7 +13,8 @@ def load_pipeline(family, base, flag, dtype, drop=(), **source):
     from .base_models import load_error
 
     try:
-        vae = diffusers.AutoencoderKL.from_pretrained(base, subfolder="vae", dtype=torch.float32, **source)
+        vae_class = getattr(diffusers, family.COMPONENTS["vae"][1])
+        vae = vae_class.from_pretrained(base, subfolder="vae", dtype=torch.float32, **source)
         return getattr(diffusers, family.PIPELINE).from_pretrained(base, vae=vae, dtype=dtype, **source,
                                                                    **{name: None for name in drop})
     except (OSError, ValueError) as err:
@@ -34,4 +35,4 @@ def draw_images(pipe, family, prompts, seeds, height, width, steps, guidance, ne
         latents = pipe(list(prompts), height=height, width=width, num_inference_steps=steps,
                        generator=[torch.Generator().manual_seed(seed) for seed in seeds], output_type="latent",
                        **kwargs).images
-    return decode_fp32(pipe, family.unpack_latents(pipe, latents, height, width))
+    return decode_fp32(pipe, family.unpack_latents(pipe, latents, height, width), family.latent_config(pipe.vae))

@@ -6,7 +6,7 @@ import json
 import os
 
 from .cli import UserError
-from .families import TWO_CLIPS, lora_family
+from .families import family_module, lora_family
 
 LORA_INFO = "lora_info.json"
 LORA_WEIGHTS = "pytorch_lora_weights.safetensors"  # diffusers' name: pipe.load_lora_weights(folder) finds it
@@ -292,7 +292,7 @@ def describe_lora(metadata):
         kind = {"loha": "LoHa, ", "lokr": "LoKr, "}.get(get("adapter"), "")
         lines.append(f"{kind}rank {rank}, alpha {alpha or rank}"
                      + (f", on {targets.replace(',', ', ')}" if targets else "")
-                     + ((" and both CLIP text encoders" if lora_family(metadata, [])[0] in TWO_CLIPS
+                     + ((" and both CLIP text encoders" if two_clips(lora_family(metadata, [])[0])
                          else " and the text encoder")
                         if get("text_encoder_target_modules") else ""))
     steps, total = get("ss_steps"), get("ss_max_train_steps")
@@ -325,3 +325,11 @@ def text_encoder_key(key):
     sends the text encoder's keys) matches: peft's own name lacks the `.weight`, and load_adapter drops it."""
     key = key if key.startswith("text_model.") else "text_model." + key
     return key + ".weight" if key.endswith(".lora_magnitude_vector") else key
+
+
+def two_clips(family):
+    """Whether --train_text_encoder puts LoRA on two CLIP text encoders in `family` (SDXL, SD3)."""
+    try:
+        return family is not None and len(family_module(family).LORA_TEXT_ENCODERS) == 2
+    except UserError:
+        return False

@@ -9,7 +9,7 @@ import time
 
 from .cli import UserError, first_line
 from .diffusion import DEFAULT_GUIDANCE_SCALE, sample_images, to_pil
-from .pipeline_report import image_size, pipeline_guidance, unpack_latents
+from .pipeline_report import image_size, pipeline_family, pipeline_guidance, unpack_latents
 from .pipelines import class_label_ids
 from .vae import decode_fp32
 
@@ -266,7 +266,9 @@ def trace(pipe, args, labels, device):
         x0 = torch.cat([p["x0"] for p in rec.x0])
         if sd:  # decoded after the call, so not traced; in fp32, as fp16 VAEs decode to black
             height, width = image_size(pipe, args)
-            panels = decode_fp32(pipe, unpack_latents(pipe, x0.to(device), height, width))
+            family = pipeline_family(pipe)
+            panels = decode_fp32(pipe, unpack_latents(pipe, x0.to(device), height, width),
+                                 family.latent_config(pipe.vae) if family is not None else None)
         else:
             panels = to_pil((x0 / 2 + 0.5).clamp(0, 1))
     return report, images, panels

@@ -1,8 +1,9 @@
 """The VAE's side of the latent diffusion recipes, the same for every family: images to the latent distribution in
 fp32 with autocast off (an fp16 VAE, SDXL's above all, overflows into NaN latents, and a cached NaN latent poisons a
 whole run), latents to the denoiser's scale and back (the config's shift_factor and scaling_factor; the per-channel
-latents_mean/latents_std of SDXL-derived VAEs such as Playground's, as diffusers' SDXL pipeline applies them), and a
-pipeline's latents decoded in fp32."""
+latents_mean/latents_std of SDXL-derived VAEs such as Playground's and of Qwen-Image's, as their pipelines apply them;
+FLUX.2's 2 x 2 patches normalized by its batch-norm statistics: the dict a family's latent_config gives), and a
+pipeline's latents decoded in fp32. A 3-D causal VAE (Qwen-Image's, Wan's) sees an image as a clip of one frame."""
 
 
 def vae_factor(vae_config):
@@ -16,13 +17,23 @@ def vae_sample_size(vae_config):
     return size if isinstance(size, int) else None
 
 
+def is_video_vae(vae_config):
+    """A 3-D causal VAE (Qwen-Image's AutoencoderKLQwenImage, Wan's AutoencoderKLWan: diffusers spells their
+    temporal downsampling `temperal_downsample`), which takes [B, C, frames, H, W]."""
+    return "temperal_downsample" in vae_config
+
+
 def encode_params(vae, pixels):
     """Pixels in [-1, 1] -> the parameters (mean, log-variance) of the VAE's latent distribution, computed in fp32
-    with autocast off whatever the run's mixed precision."""
+    with autocast off whatever the run's mixed precision. Images [B, 3, H, W] through a 3-D VAE go in as one frame and
+    come out as [B, 2C, h, w]."""
     import torch
 
+    one_frame = pixels.ndim == 4 and is_video_vae(vae.config)
+    pixels = pixels[:, :, None] if one_frame else pixels
     with torch.no_grad(), torch.autocast(vae.device.type, enabled=False):
-        return vae.encode(pixels.to(vae.device, torch.float32)).latent_dist.parameters
+        params = vae.encode(pixels.to(vae.device, torch.float32)).latent_dist.parameters
+    return params[:, :, 0] if one_frame else params
 
 
 def _mean_std(config, latents):
@@ -36,21 +47,44 @@ def _mean_std(config, latents):
             torch.tensor(std, dtype=latents.dtype, device=latents.device).view(shape))
 
 
+def patchify(latents, patch):
+    """[B, C, H, W] -> [B, C * patch^2, H / patch, W / patch], each channel's patch side by side (FLUX.2's layout)."""
+    b, c, h, w = latents.shape
+    return (latents.view(b, c, h // patch, patch, w // patch, patch).permute(0, 1, 3, 5, 2, 4)
+            .reshape(b, c * patch * patch, h // patch, w // patch))
+
+
+def unpatchify(latents, patch):
+    """patchify's inverse."""
+    b, c, h, w = latents.shape
+    return (latents.reshape(b, c // (patch * patch), patch, patch, h, w).permute(0, 1, 4, 2, 5, 3)
+            .reshape(b, c // (patch * patch), h * patch, w * patch))
+
+
 def normalize(vae_config, latents):
     """VAE latents -> the denoiser's latents: (x - latents_mean) * scaling_factor / latents_std when the config has
-    per-channel statistics, else (x - shift_factor) * scaling_factor."""
+    per-channel statistics, else (x - shift_factor) * scaling_factor (a missing scaling_factor is 1); with
+    `latent_patch` (FLUX.2), the latents are first cut into patches of that side, whose channels the statistics
+    describe."""
+    patch = vae_config.get("latent_patch")
+    latents = patchify(latents, patch) if patch else latents
+    scale = vae_config.get("scaling_factor") or 1.0
     mean, std = _mean_std(vae_config, latents)
     if mean is not None:
-        return (latents - mean) * vae_config["scaling_factor"] / std
-    return (latents - (vae_config.get("shift_factor") or 0.0)) * vae_config["scaling_factor"]
+        return (latents - mean) * scale / std
+    return (latents - (vae_config.get("shift_factor") or 0.0)) * scale
 
 
 def denormalize(vae_config, latents):
     """The inverse of `normalize`: the denoiser's latents -> what the VAE decodes."""
+    scale = vae_config.get("scaling_factor") or 1.0
     mean, std = _mean_std(vae_config, latents)
     if mean is not None:
-        return latents * std / vae_config["scaling_factor"] + mean
-    return latents / vae_config["scaling_factor"] + (vae_config.get("shift_factor") or 0.0)
+        latents = latents * std / scale + mean
+    else:
+        latents = latents / scale + (vae_config.get("shift_factor") or 0.0)
+    patch = vae_config.get("latent_patch")
+    return unpatchify(latents, patch) if patch else latents
 
 
 def sample_latents(params, vae_config):
@@ -62,18 +96,24 @@ def sample_latents(params, vae_config):
 
 
 def mean_latents(params, vae_config):
-    """The distribution's mean (no sampling), normalized: what the held-out loss measures on."""
-    return normalize(vae_config, params.float().chunk(2, dim=-3)[0])
+    """The distribution's mean (no sampling), normalized: what the held-out loss measures on (params [2C, h, w] of
+    one image)."""
+    mean = params.float().chunk(2, dim=-3)[0]
+    return normalize(vae_config, mean[None])[0] if mean.ndim == 3 else normalize(vae_config, mean)
 
 
-def decode_fp32(pipe, latents):
+def decode_fp32(pipe, latents, latent_config=None):
     """The denoiser's latents [B, C, h, w] -> PIL images with the pipeline's VAE in fp32 (an fp16 VAE overflows into
-    black images), through the pipeline's safety checker when it has one, as its own output_type="pil" would."""
+    black images), through the pipeline's safety checker when it has one, as its own output_type="pil" would.
+    latent_config: the family's (family.latent_config(pipe.vae)); default the VAE's config."""
     import torch
 
     vae = pipe.vae if pipe.vae.dtype == torch.float32 else pipe.vae.to(torch.float32)
     with torch.no_grad(), torch.autocast(vae.device.type, enabled=False):
-        image = vae.decode(denormalize(vae.config, latents.float()).to(vae.device)).sample
+        latents = denormalize(latent_config or dict(vae.config), latents.float()).to(vae.device)
+        one_frame = latents.ndim == 4 and is_video_vae(vae.config)
+        image = vae.decode(latents[:, :, None] if one_frame else latents).sample
+        image = image[:, :, 0] if one_frame else image
         nsfw = None
         if getattr(pipe, "safety_checker", None) is not None:
             image, nsfw = pipe.run_safety_checker(image, image.device, pipe.safety_checker.dtype)

@@ -48,7 +48,8 @@ def validation_images(args, accelerator, family, parts, scheduler, step, sizes=N
                 with torch.no_grad(), accelerator.autocast():
                     latents = pipe(**text, num_inference_steps=args.validation_inference_steps,
                                    generator=generators, height=height, width=width, output_type="latent").images
-                images = decode_fp32(pipe, family.unpack_latents(pipe, latents, height, width))
+                images = decode_fp32(pipe, family.unpack_latents(pipe, latents, height, width),
+                                     family.latent_config(pipe.vae))
                 size = f"-{width}x{height}" if s else ""  # the first size keeps the plain names
                 for j, image in enumerate(images):
                     paths.append(os.path.join(folder, f"{p}-{j}{size}.png"))

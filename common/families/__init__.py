@@ -14,30 +14,11 @@ import os
 
 from ..cli import UserError, first_line
 
-# model_index.json's pipeline class -> family module name
-FAMILIES = {"StableDiffusionPipeline": "sd", "StableDiffusionXLPipeline": "sdxl",
-            "StableDiffusion3Pipeline": "sd3", "FluxPipeline": "flux"}
-NAMES = {"sd": "Stable Diffusion 1.x/2.x", "sdxl": "Stable Diffusion XL", "sd3": "Stable Diffusion 3",
-         "flux": "Flux.1"}
-DENOISERS = {"sd": "unet", "sdxl": "unet", "sd3": "transformer", "flux": "transformer"}  # each module's DENOISER
-TWO_CLIPS = ("sdxl", "sd3")  # the families whose --train_text_encoder LoRAs are on two CLIP text encoders
-# What a LoRA file's metadata says of its base (kohya's ss_base_model_version, ModelSpec's modelspec.architecture),
-# by prefix, most specific first.
-VERSION_PREFIXES = (("sdxl", "sdxl"), ("sd_v1", "sd"), ("sd_v2", "sd"), ("sd3", "sd3"), ("flux1", "flux"))
-ARCHITECTURE_PREFIXES = (("stable-diffusion-xl", "sdxl"), ("stable-diffusion-v1", "sd"), ("stable-diffusion-v2", "sd"),
-                         ("stable-diffusion-v3", "sd3"), ("stable-diffusion-3", "sd3"), ("flux-1", "flux"))
-# Tensor names that only one family's LoRAs have (diffusers', kohya's and ComfyUI's names): SDXL's second text encoder
-# (lora_te1_/lora_te2_ in kohya's files) and the sgm UNet's blocks and added embedding; Flux's single-stream blocks
-# and its kohya names (double_blocks/single_blocks); SD 1.x/2.x's one text encoder under kohya's lora_te_. A file that
-# names only blocks both SD3 and Flux have tells nothing.
-KEY_PREFIXES = (
-    ("sdxl", ("text_encoder_2.", "lora_te1_", "lora_te2_", "lora_unet_input_blocks_", "lora_unet_middle_block_",
-              "lora_unet_output_blocks_", "lora_unet_label_emb_", "unet.add_embedding.", "add_embedding.")),
-    ("flux", ("transformer.single_transformer_blocks.", "lora_unet_double_blocks_", "lora_unet_single_blocks_",
-              "transformer.x_embedder.", "transformer.time_text_embed.guidance_embedder.")),
-    ("sd3", ("transformer.pos_embed.", "text_encoder_3.")),
-    ("sd", ("lora_te_",)),
-)
+# The registry: model_index.json's pipeline class -> the family module that trains and draws it, one line a family.
+# The most specific family first: a LoRA file that names no base is matched against the families in this order.
+# Everything else about a family (its name, denoiser, the names in its LoRA files) is in its own module.
+FAMILIES = {"StableDiffusionXLPipeline": "sdxl", "FluxPipeline": "flux", "StableDiffusion3Pipeline": "sd3",
+            "StableDiffusionPipeline": "sd"}
 UNET_PREFIXES = ("unet.", "lora_unet_down_blocks_", "lora_unet_up_blocks_", "lora_unet_mid_block_")
 TRANSFORMER_PREFIXES = ("transformer.", "lora_transformer_")
 
@@ -73,7 +54,7 @@ def family_of(path, flag, revision=None, cache_dir=None, uses="train_lora.py tra
     name = read_model_index(path, flag, revision, cache_dir).get("_class_name")
     if name not in FAMILIES:
         raise UserError(f"{flag} '{path}': its model_index.json names the pipeline class {name!r}; {uses} "
-                        f"{', '.join(FAMILIES)} bases ({', '.join(NAMES.values())})")
+                        f"{', '.join(FAMILIES)} bases")
     return FAMILIES[name]
 
 
@@ -95,8 +76,9 @@ def family_module(name):
     except ModuleNotFoundError as err:
         if err.name != f"{__name__}.{name}":
             raise
-        raise UserError(f"this copy of the recipes has no common/families/{name}.py, the module of "
-                        f"{NAMES.get(name, name)} bases: copy it beside common/families/__init__.py") from None
+        pipelines = ", ".join(p for p, module in FAMILIES.items() if module == name) or name
+        raise UserError(f"this copy of the recipes has no common/families/{name}.py, the module of {pipelines} "
+                        "bases: copy it beside common/families/__init__.py") from None
 
 
 def load_family(path, flag, revision=None, cache_dir=None, uses="train_lora.py trains"):
@@ -104,20 +86,40 @@ def load_family(path, flag, revision=None, cache_dir=None, uses="train_lora.py t
     return family_module(family_of(path, flag, revision, cache_dir, uses))
 
 
+def known_families():
+    """The family modules this copy of the recipes has, in FAMILIES' order (a copy may hold only its base's)."""
+    modules = []
+    for name in dict.fromkeys(FAMILIES.values()):
+        try:
+            modules.append(family_module(name))
+        except UserError:
+            continue
+    return modules
+
+
+def family_name(name):
+    """A family's name for people ("Flux.1"), or its module name when this copy does not have its module."""
+    try:
+        return family_module(name).NAME
+    except UserError:
+        return name
+
+
 def lora_family(metadata, keys):
     """-> (family name, why) of the base a LoRA file was made for, or (None, None) when the file does not tell: from
-    its metadata (kohya's ss_base_model_version, ModelSpec's modelspec.architecture) when present, else from tensor
-    names only one family has."""
-    for key, prefixes in (("ss_base_model_version", VERSION_PREFIXES),
-                          ("modelspec.architecture", ARCHITECTURE_PREFIXES)):
+    its metadata (each family's LORA_METADATA: kohya's ss_base_model_version, ModelSpec's modelspec.architecture)
+    when present, else from tensor names only one family has (each family's LORA_KEY_PREFIXES)."""
+    families = known_families()
+    for key in ("ss_base_model_version", "modelspec.architecture"):
         value = metadata.get(key, "")
-        for prefix, family in prefixes:
-            if value.startswith(prefix):
-                return family, f"its metadata says {key} {value}"
-    for family, prefixes in KEY_PREFIXES:
-        key = next((k for k in keys if k.startswith(prefixes)), None)
+        for family in families:
+            if value and value.startswith(family.LORA_METADATA.get(key, ())):
+                return family.KEY, f"its metadata says {key} {value}"
+    for family in families:
+        key = next((k for k in keys if k.startswith(family.LORA_KEY_PREFIXES)), None) if family.LORA_KEY_PREFIXES \
+            else None
         if key:
-            return family, f"its key {key} is {NAMES[family]}'s"
+            return family.KEY, f"its key {key} is {family.NAME}'s"
     return None, None
 
 
@@ -136,14 +138,15 @@ def check_lora_base(flag, path, metadata, keys, base, base_family):
     anything loads."""
     family, why = lora_family(metadata, keys)
     if family is None and base_family is not None:  # no family named: a UNet LoRA on a transformer base, or back
-        kind, base_kind = denoiser_kind(keys), DENOISERS[base_family]
+        kind, base_kind = denoiser_kind(keys), family_module(base_family).DENOISER
         if kind and kind != base_kind:
             raise UserError(f"{flag} '{path}' adapts a {kind} (its keys start {sorted(keys)[0].split('.')[0]}...), "
-                            f"but the base model '{base}' ({NAMES[base_family]}) has a {base_kind}; give a LoRA made "
-                            "for this base")
-    if family and base_family in NAMES and family != base_family:
-        raise UserError(f"{flag} '{path}' is a {NAMES[family]} LoRA ({why}), but the base model '{base}' is "
-                        f"{NAMES[base_family]}; give a LoRA made for this base, or a {NAMES[family]} base")
+                            f"but the base model '{base}' ({family_name(base_family)}) has a {base_kind}; give a LoRA "
+                            "made for this base")
+    if family and base_family in FAMILIES.values() and family != base_family:
+        raise UserError(f"{flag} '{path}' is a {family_name(family)} LoRA ({why}), but the base model '{base}' is "
+                        f"{family_name(base_family)}; give a LoRA made for this base, or a {family_name(family)} "
+                        "base")
 
 
 # What several families share, named by each family module that has it (`guidance_kwargs = classifier_free_guidance`).
@@ -163,6 +166,13 @@ def embedding_kwargs(cond, uncond):
         if "pooled_prompt_embeds" in uncond:
             kwargs["negative_pooled_prompt_embeds"] = uncond["pooled_prompt_embeds"]
     return kwargs
+
+
+def vae_latents(vae):
+    """What turns the VAE's latents into the denoiser's, for common/vae.py's normalize and denormalize: the VAE's own
+    config (shift_factor and scaling_factor, or per-channel latents_mean and latents_std). A family whose pipeline
+    does more (FLUX.2's 2 x 2 patches and batch-norm statistics) gives its own dict of the same keys."""
+    return dict(vae.config)
 
 
 def latents_as_they_are(pipe, latents, height, width):

@@ -8,12 +8,18 @@ from ..diffusion import FLOW_SCHEDULER_CLASSES
 from ..prompts import clip_ids, t5_ids
 from ..ui_lora import DIFFUSERS_IMPLEMENTATION, prefixed_lora
 from ..vae import vae_factor, vae_sample_size
-from . import embedding_kwargs, every_target, no_empty_prompt_zeros, t5_text_length, vae_native_resolution
+from . import embedding_kwargs, every_target, no_empty_prompt_zeros, t5_text_length, vae_latents, vae_native_resolution
 
 KEY = "flux"
 NAME = "Flux.1"
 PIPELINE = "FluxPipeline"
 DENOISER = "transformer"
+# What its LoRA files say of their base (kohya's ss_base_model_version, ModelSpec's modelspec.architecture, by prefix),
+# and tensor names only its LoRAs have: the single-stream blocks, kohya's double_blocks/single_blocks, the guidance
+# embedder.
+LORA_METADATA = {"ss_base_model_version": ("flux1",), "modelspec.architecture": ("flux-1",)}
+LORA_KEY_PREFIXES = ("transformer.single_transformer_blocks.", "lora_unet_double_blocks_", "lora_unet_single_blocks_",
+                     "transformer.x_embedder.", "transformer.time_text_embed.guidance_embedder.")
 OBJECTIVE = "flow"
 FLOW_DEFAULTS = {"weighting_scheme": "none", "precondition_outputs": 0}  # diffusers' Flux script's
 COMPONENTS = {"scheduler": ("diffusers", "FlowMatchEulerDiscreteScheduler"),
@@ -166,3 +172,6 @@ def ui_lora(states, alpha, denoiser_config):
     if "text_encoder" in states:
         weights.update(prefixed_lora(states["text_encoder"], alpha, "text_encoder", "text_model."))
     return weights
+
+
+latent_config = vae_latents

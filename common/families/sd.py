@@ -13,6 +13,7 @@ from . import (
     no_t5,
     unet_sample_size,
     unet_size_factor,
+    vae_latents,
     vae_native_resolution,
     vae_resolution_factor,
 )
@@ -21,6 +22,11 @@ KEY = "sd"
 NAME = "Stable Diffusion 1.x/2.x"
 PIPELINE = "StableDiffusionPipeline"
 DENOISER = "unet"
+# What its LoRA files say of their base (kohya's ss_base_model_version, ModelSpec's modelspec.architecture, by prefix),
+# and tensor names only its LoRAs have (kohya's one text encoder, lora_te_).
+LORA_METADATA = {"ss_base_model_version": ("sd_v1", "sd_v2"),
+                 "modelspec.architecture": ("stable-diffusion-v1", "stable-diffusion-v2")}
+LORA_KEY_PREFIXES = ("lora_te_",)
 OBJECTIVE = "ddpm"  # common/objectives.py
 # component -> (library, class) as from_pretrained loads it; the denoiser, the VAE and the scheduler always
 COMPONENTS = {"scheduler": ("diffusers", "DDPMScheduler"), "tokenizer": ("transformers", "CLIPTokenizer"),
@@ -120,3 +126,6 @@ def ui_lora(states, alpha, denoiser_config):
     if "text_encoder" in states:
         weights.update(kohya_lora(states["text_encoder"], alpha, "lora_te", "text_model."))
     return weights
+
+
+latent_config = vae_latents

@@ -15,12 +15,18 @@ from . import (
     latents_as_they_are,
     no_empty_prompt_zeros,
     t5_text_length,
+    vae_latents,
 )
 
 KEY = "sd3"
 NAME = "Stable Diffusion 3"
 PIPELINE = "StableDiffusion3Pipeline"
 DENOISER = "transformer"
+# What its LoRA files say of their base (kohya's ss_base_model_version, ModelSpec's modelspec.architecture, by prefix),
+# and tensor names only its LoRAs have (the blocks it shares with Flux.1 tell nothing).
+LORA_METADATA = {"ss_base_model_version": ("sd3",),
+                 "modelspec.architecture": ("stable-diffusion-v3", "stable-diffusion-3")}
+LORA_KEY_PREFIXES = ("transformer.pos_embed.", "text_encoder_3.")
 OBJECTIVE = "flow"
 FLOW_DEFAULTS = {"weighting_scheme": "logit_normal", "precondition_outputs": 1}  # diffusers' SD3 script's
 COMPONENTS = {"scheduler": ("diffusers", "FlowMatchEulerDiscreteScheduler"),
@@ -156,3 +162,6 @@ def ui_lora(states, alpha, denoiser_config):
         if name in states:
             weights.update(prefixed_lora(states[name], alpha, name, "text_model."))
     return weights
+
+
+latent_config = vae_latents

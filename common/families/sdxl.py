@@ -14,6 +14,7 @@ from . import (
     no_t5,
     unet_sample_size,
     unet_size_factor,
+    vae_latents,
     vae_native_resolution,
     vae_resolution_factor,
 )
@@ -22,6 +23,12 @@ KEY = "sdxl"
 NAME = "Stable Diffusion XL"
 PIPELINE = "StableDiffusionXLPipeline"
 DENOISER = "unet"
+# What its LoRA files say of their base (kohya's ss_base_model_version, ModelSpec's modelspec.architecture, by prefix),
+# and tensor names only its LoRAs have: the second text encoder (kohya's lora_te1_/lora_te2_), the sgm UNet's blocks
+# and the added embedding.
+LORA_METADATA = {"ss_base_model_version": ("sdxl",), "modelspec.architecture": ("stable-diffusion-xl",)}
+LORA_KEY_PREFIXES = ("text_encoder_2.", "lora_te1_", "lora_te2_", "lora_unet_input_blocks_", "lora_unet_middle_block_",
+                     "lora_unet_output_blocks_", "lora_unet_label_emb_", "unet.add_embedding.", "add_embedding.")
 OBJECTIVE = "ddpm"
 COMPONENTS = {"scheduler": ("diffusers", "DDPMScheduler"), "tokenizer": ("transformers", "CLIPTokenizer"),
               "tokenizer_2": ("transformers", "CLIPTokenizer"), "text_encoder": ("transformers", "CLIPTextModel"),
@@ -135,3 +142,6 @@ def ui_lora(states, alpha, denoiser_config):
         if name in states:
             weights.update(kohya_lora(states[name], alpha, prefix, "text_model."))
     return weights
+
+
+latent_config = vae_latents

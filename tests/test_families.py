@@ -1,0 +1,50 @@
+"""The family layer: every module of common/families/ has the reference module's (sd.py's) names, the registry maps
+each pipeline class to a module that says it draws that class, and a LoRA file's family is read from what each
+module declares."""
+import ast
+import importlib
+
+import pytest
+from conftest import ROOT
+
+from common.families import FAMILIES, family_module, lora_family
+
+MODULES = sorted(path.stem for path in (ROOT / "common" / "families").glob("*.py") if path.stem != "__init__")
+
+
+def public_names(module):
+    """The names a module defines at its top level (assignments, functions), not those it imports."""
+    names = set()
+    for node in ast.parse(open(module.__file__).read()).body:
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Assign):
+            names.update(t.id for t in node.targets if isinstance(t, ast.Name))
+            names.update(e.id for t in node.targets if isinstance(t, ast.Tuple) for e in t.elts
+                         if isinstance(e, ast.Name))
+    return {name for name in names if not name.startswith("_")}
+
+
+@pytest.mark.parametrize("name", MODULES)
+def test_every_family_module_has_the_reference_modules_names(name):
+    reference = public_names(importlib.import_module("common.families.sd"))
+    module = importlib.import_module(f"common.families.{name}")
+    missing = sorted(n for n in reference if not hasattr(module, n))
+    assert not missing, f"common/families/{name}.py lacks {missing} (sd.py, the reference, has them)"
+    assert module.KEY == name
+
+
+def test_the_registry_maps_each_pipeline_class_to_the_module_that_draws_it():
+    assert set(FAMILIES.values()) == set(MODULES)
+    for pipeline, name in FAMILIES.items():
+        module = family_module(name)
+        assert pipeline in (module.PIPELINE, *getattr(module, "PIPELINES", ())), (pipeline, name)
+
+
+@pytest.mark.parametrize("name", MODULES)
+def test_a_lora_files_family_is_read_from_its_metadata(name):
+    module = family_module(name)
+    for key, prefixes in module.LORA_METADATA.items():
+        assert lora_family({key: prefixes[0] + "-something"}, [])[0] == name
+    for prefix in module.LORA_KEY_PREFIXES:
+        assert lora_family({}, [prefix + "0.lora_A.weight"])[0] == name
