@@ -156,11 +156,12 @@ class BlockSwap:
             self.host[index].set(self.placeholders[index])  # the block's weights leave the model: host copy only
         self.pending, self.bound, self.phase = {}, set(), "idle"
         self.copies, self.bytes_copied = 0, 0
-        self.handles = [denoiser.register_forward_pre_hook(self._denoiser_starts)]
+        eager = torch.compiler.disable  # (a compiled model runs the hooks as they are: they move tensors)
+        self.handles = [denoiser.register_forward_pre_hook(eager(self._denoiser_starts))]
         for index, block in enumerate(blocks):
-            self.handles += [block.register_forward_pre_hook(self._forward_pre(index)),
-                             block.register_forward_hook(self._forward_post(index)),
-                             block.register_full_backward_pre_hook(self._backward_pre(index))]
+            self.handles += [block.register_forward_pre_hook(eager(self._forward_pre(index))),
+                             block.register_forward_hook(eager(self._forward_post(index))),
+                             block.register_full_backward_pre_hook(eager(self._backward_pre(index)))]
 
     def host_bytes(self):
         return sum(host.buffer.numel() for host in self.host.values())
