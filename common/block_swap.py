@@ -22,7 +22,7 @@ buffer never handed out), with no side stream.
 """
 from .cli import UserError
 
-ALIGN = 64  # bytes: each tensor's offset in a block's buffer (any dtype's view of it is aligned)
+ALIGN = 256  # bytes: each tensor's offset in a block's buffer (aligned as the CUDA allocator aligns a tensor)
 
 
 def add_block_swap_args(group):

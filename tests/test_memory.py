@@ -1,11 +1,12 @@
 """Fitting a big base in less accelerator memory (common/block_swap.py, common/float8_base.py), on the shipped tiny
-Flux.1 base (assets/tiny-flux-digits: 1 double-stream and 3 single-stream blocks) and on the CPU, where the
-"accelerator" is the CPU too and a block swap still copies every block's weights into a new buffer before it runs.
+Flux.1 base (assets/tiny-flux-digits: 1 double-stream and 3 single-stream blocks; SD3's tiny layout too) and on the
+CPU, where the "accelerator" is the CPU too and a block swap still copies every block's weights into a new buffer
+before it runs.
 
 - --blocks_to_swap gives bitwise the loss and the LoRA gradients of no swap (plain LoRA, DoRA, an fp8 base, an nf4
-  one where bitsandbytes is installed), with gradient checkpointing; each step copies each swapped block in once
-  for the forward and once for the backward (the last one stays between them), into buffers that are not the host
-  copy; between steps the model holds no weights of those blocks, and the host copies never change.
+  one where bitsandbytes is installed; Flux.1 and SD3), with gradient checkpointing; each step copies each swapped
+  block in once for the forward and once for the backward (the last one stays between them), into buffers that are
+  not the host copy; between steps the model holds no weights of those blocks, and the host copies never change.
 - --quantize_base fp8 replaces every frozen Linear of the blocks, gives a loss within 1 % of the unquantized base's
   (fp32 and bf16), LoRA gradients within 5 %, and a LoRA under the same names.
 - train_lora.py end to end: a run with --quantize_base fp8 --blocks_to_swap 2 against one without either: the same
@@ -22,7 +23,7 @@ from safetensors.torch import load_file
 
 from common.block_swap import check_block_swap, swap_blocks
 from common.cli import UserError
-from common.families import flux
+from common.families import family_module, flux
 from common.float8_base import Float8Linear, check_float8, quantize_blocks, weight_bytes
 
 BASE = ROOT / "assets" / "tiny-flux-digits"
@@ -40,34 +41,46 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-def tiny_flux(dtype=torch.float32, dora=False, fp8=False, nf4=False, swap=0):
-    """The shipped tiny Flux.1 transformer, frozen, with LoRA on Flux.1's default targets (its B weights not zero, so
-    that every LoRA weight gets a gradient) and gradient checkpointing; an fp8 or nf4 base; `swap` blocks swapped.
+# family: (latent channels, T5 width, pooled width) of its tiny denoiser: the shipped Flux.1 base's, SD3's tiny layout
+INPUTS = {"flux": (4, 64, 32), "sd3": (16, 96, 80)}
+
+
+def tiny_denoiser(dtype=torch.float32, dora=False, fp8=False, nf4=False, swap=0, family="flux"):
+    """A tiny transformer of the family (Flux.1: the shipped base's; SD3: its tiny layout with 3 blocks, random
+    weights), frozen, with LoRA on the family's default targets (its B weights not zero, so that every LoRA weight
+    gets a gradient) and gradient checkpointing; an fp8 or nf4 base; `swap` blocks swapped.
     -> (transformer, BlockSwap or None)."""
-    from diffusers import FluxTransformer2DModel
+    from diffusers import FluxTransformer2DModel, SD3Transformer2DModel
     from peft import LoraConfig
 
+    from demo.tiny_flow import tiny_configs
+
+    module = family_module(family)
     torch.manual_seed(0)
-    model = FluxTransformer2DModel.from_pretrained(BASE / "transformer", torch_dtype=dtype).requires_grad_(False)
+    if family == "flux":
+        model = FluxTransformer2DModel.from_pretrained(BASE / "transformer", torch_dtype=dtype)
+    else:
+        model = SD3Transformer2DModel.from_config(dict(tiny_configs("sd3")["transformer"], num_layers=3)).to(dtype)
+    model.requires_grad_(False)
     if nf4:
-        to_nf4(model)
+        to_nf4(model, module)
     model.add_adapter(LoraConfig(r=4, lora_alpha=4, init_lora_weights="gaussian", use_dora=dora,
-                                 target_modules=flux.LORA_TARGETS.split(",")))
+                                 target_modules=module.LORA_TARGETS.split(",")))
     with torch.no_grad():
         for param in model.parameters():
             if param.requires_grad:
                 param.data = param.data.float() + 0.05 * torch.randn_like(param, dtype=torch.float32)
     if fp8:
-        quantize_blocks(model, flux.SWAP_BLOCKS, dtype, "cpu")
+        quantize_blocks(model, module.SWAP_BLOCKS, dtype, "cpu")
     model.enable_gradient_checkpointing()
-    return model, swap_blocks(flux, model, swap, "cpu") if swap else None
+    return model, swap_blocks(module, model, swap, "cpu") if swap else None
 
 
-def to_nf4(model):
+def to_nf4(model, module):
     """Every Linear of the blocks as bitsandbytes' 4-bit NF4 layer (what diffusers' BitsAndBytesConfig loads)."""
     import bitsandbytes as bnb
 
-    for name in flux.SWAP_BLOCKS:
+    for name in module.SWAP_BLOCKS:
         for block in getattr(model, name):
             for path, linear in [(p, m) for p, m in block.named_modules() if type(m) is torch.nn.Linear]:
                 layer = bnb.nn.Linear4bit(linear.in_features, linear.out_features, bias=linear.bias is not None,
@@ -78,27 +91,30 @@ def to_nf4(model):
                 setattr(block.get_submodule(parent) if parent else block, attr, layer.to("cpu"))
 
 
-def step(model, autocast=False):
+def step(model, autocast=False, family="flux"):
     """One training step's loss and LoRA gradients on fixed inputs."""
+    channels, text, pooled = INPUTS[family]
     g = torch.Generator().manual_seed(1)
-    x = torch.randn(2, 4, 8, 8, generator=g)
-    cond = {"prompt_embeds": torch.randn(2, 7, 64, generator=g),
-            "pooled_prompt_embeds": torch.randn(2, 32, generator=g)}
+    x = torch.randn(2, channels, 8, 8, generator=g)
+    cond = {"prompt_embeds": torch.randn(2, 7, text, generator=g),
+            "pooled_prompt_embeds": torch.randn(2, pooled, generator=g)}
     with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
-        loss = (flux.denoise(model, x, torch.tensor([100.0, 700.0]), cond) - x).float().pow(2).mean()
+        prediction = family_module(family).denoise(model, x, torch.tensor([100.0, 700.0]), cond)
+        loss = (prediction - x).float().pow(2).mean()
     loss.backward()
     grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.requires_grad}
     model.zero_grad(set_to_none=True)
     return loss.detach(), grads
 
 
-@pytest.mark.parametrize("swap,kind", [(1, "lora"), (4, "dora"), (2, "fp8"), (3, "nf4")])
-def test_block_swap_is_bitwise_no_swap_and_really_moves_the_blocks(swap, kind):
+@pytest.mark.parametrize("family,swap,kind", [("flux", 1, "lora"), ("flux", 4, "dora"), ("flux", 2, "fp8"),
+                                             ("flux", 3, "nf4"), ("sd3", 3, "fp8")])
+def test_block_swap_is_bitwise_no_swap_and_really_moves_the_blocks(family, swap, kind):
     if kind == "nf4":
         pytest.importorskip("bitsandbytes")
-    options = {"dora": kind == "dora", "fp8": kind == "fp8", "nf4": kind == "nf4"}
-    plain, _ = tiny_flux(**options)
-    model, swapper = tiny_flux(**options, swap=swap)
+    options = {"dora": kind == "dora", "fp8": kind == "fp8", "nf4": kind == "nf4", "family": family}
+    plain, _ = tiny_denoiser(**options)
+    model, swapper = tiny_denoiser(**options, swap=swap)
     assert len(swapper.order) == swap
     host = {i: (block.buffer.data_ptr(), block.buffer.clone()) for i, block in swapper.host.items()}
     seen = []  # what each swapped block's weights are while it runs: not the host buffer, and not empty
@@ -114,8 +130,8 @@ def test_block_swap_is_bitwise_no_swap_and_really_moves_the_blocks(swap, kind):
     for index in swapper.order:  # (after the swap's own pre-hook, which binds the weights)
         swapper.blocks[index].register_forward_pre_hook(record(index))
     for n in (1, 2):
-        loss, grads = step(plain)
-        swapped_loss, swapped_grads = step(model)
+        loss, grads = step(plain, family=family)
+        swapped_loss, swapped_grads = step(model, family=family)
         assert torch.equal(loss, swapped_loss)
         assert grads.keys() == swapped_grads.keys() and all(torch.equal(grads[k], swapped_grads[k]) for k in grads)
         # each swapped block copied in for the forward, then for the backward (the last one kept between them)
@@ -133,8 +149,8 @@ def test_fp8_base_is_close_and_keeps_the_names():
     from peft.utils import get_peft_model_state_dict
 
     for dtype, autocast in ((torch.float32, False), (torch.bfloat16, True)):
-        plain, _ = tiny_flux(dtype)
-        quantized, _ = tiny_flux(dtype, fp8=True)
+        plain, _ = tiny_denoiser(dtype)
+        quantized, _ = tiny_denoiser(dtype, fp8=True)
         loss, grads = step(plain, autocast)
         fp8_loss, fp8_grads = step(quantized, autocast)
         assert abs(fp8_loss - loss) / loss < FP8_TOLERANCE
