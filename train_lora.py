@@ -210,7 +210,7 @@ def main(args):
     family = load_family(path, flag, args.revision, args.cache_dir)  # which pipeline: its model_index.json
     check_family_args(args, family)  # (a hub base's: now that its family is known)
     check_lora_args(args, family)
-    check_block_swap(args, family, accelerator)  # (not under DeepSpeed or FSDP; at most the blocks there are)
+    check_block_swap(args, family, accelerator)  # (swap, fp8: not under DeepSpeed or FSDP; swap: at most the blocks)
     check_validation_image_args(args, family)
     # The training size: the base's native one unless given. Far below it, what the LoRA learns shows little in
     # images at the size the base samples at.

@@ -68,18 +68,22 @@ def block_counts(family, path, revision=None, cache_dir=None):
 
 
 def check_block_swap(args, family, accelerator):
-    """One line for a --blocks_to_swap that cannot apply: an engine that shards the weights and places them itself,
-    or more blocks than the base's transformer has. Before anything loads or is written."""
+    """One line for a --blocks_to_swap that cannot apply: more blocks than the base's transformer has, or an engine
+    that shards the weights and places them itself (DeepSpeed, FSDP; nor --quantize_base fp8 there: they cast every
+    weight to one dtype, float8 ones too). Right after the Accelerator is made: before anything loads or is written."""
+    from accelerate.utils import DistributedType
+
+    flags = [flag for flag, given in (("--blocks_to_swap", getattr(args, "blocks_to_swap", None)),
+                                      ("--quantize_base fp8", getattr(args, "quantize_base", None) == "fp8")) if given]
+    engines = {DistributedType.DEEPSPEED: "DeepSpeed", DistributedType.FSDP: "FSDP"}
+    if flags and accelerator.distributed_type in engines:
+        raise UserError(f"{' and '.join(flags)} do{'es' * (len(flags) == 1)} not run under "
+                        f"{engines[accelerator.distributed_type]}, which shards the weights, places and casts them "
+                        "itself: leave it out, or train with one process or DDP (accelerate_configs/single_gpu.yaml, "
+                        "multi_gpu.yaml)")
     if not getattr(args, "blocks_to_swap", None):
         return
     check_block_swap_flags(args, family)
-    from accelerate.utils import DistributedType
-
-    engines = {DistributedType.DEEPSPEED: "DeepSpeed", DistributedType.FSDP: "FSDP"}
-    if accelerator.distributed_type in engines:
-        raise UserError(f"--blocks_to_swap does not run under {engines[accelerator.distributed_type]}, which shards "
-                        "the weights and places them itself: leave it out, or train with one process or DDP "
-                        "(accelerate_configs/single_gpu.yaml, multi_gpu.yaml)")
     counts = block_counts(family, args.pretrained_model_name_or_path, args.revision, args.cache_dir)
     total = sum(counts.values())
     if args.blocks_to_swap > total:

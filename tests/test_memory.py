@@ -188,11 +188,13 @@ def test_engines_and_torch_without_float8_are_one_line(monkeypatch):
     """(In process: DeepSpeed and FSDP do not run on this machine, and this torch has float8.)"""
     from accelerate.utils import DistributedType
 
-    args = types.SimpleNamespace(blocks_to_swap=2, gradient_checkpointing=True, pretrained_model_name_or_path=str(BASE),
-                                 revision=None, cache_dir=None)
     for engine, name in ((DistributedType.DEEPSPEED, "DeepSpeed"), (DistributedType.FSDP, "FSDP")):
-        with pytest.raises(UserError, match=f"--blocks_to_swap does not run under {name}, which shards"):
-            check_block_swap(args, flux, types.SimpleNamespace(distributed_type=engine))
+        for flags, said in (({"blocks_to_swap": 2}, "--blocks_to_swap does"),
+                            ({"quantize_base": "fp8"}, "--quantize_base fp8 does"),
+                            ({"blocks_to_swap": 2, "quantize_base": "fp8"}, "and --quantize_base fp8 do")):
+            args = types.SimpleNamespace(**{"blocks_to_swap": None, "quantize_base": None, **flags})
+            with pytest.raises(UserError, match=f"{said} not run under {name}, which shards"):
+                check_block_swap(args, flux, types.SimpleNamespace(distributed_type=engine))
     monkeypatch.delattr(torch, "float8_e4m3fn")
     with pytest.raises(UserError, match="--quantize_base fp8 needs a torch with float8 types"):
         check_float8()
