@@ -3,8 +3,8 @@ Flux.1 base (assets/tiny-flux-digits: 1 double-stream and 3 single-stream blocks
 CPU, where the "accelerator" is the CPU too and a block swap still copies every block's weights into a new buffer
 before it runs.
 
-- --blocks_to_swap gives bitwise the loss and the LoRA gradients of no swap (plain LoRA, DoRA, an fp8 base, an nf4
-  one where bitsandbytes is installed; Flux.1 and SD3), with gradient checkpointing; each step copies each swapped
+- --blocks_to_swap gives bitwise the loss and the LoRA gradients of no swap (plain LoRA, DoRA, LoKr, an fp8 base, an
+  nf4 one where bitsandbytes is installed; Flux.1 and SD3), with gradient checkpointing; each step copies each swapped
   block in once for the forward and once for the backward (the last one stays between them), into buffers that are
   not the host copy; between steps the model holds no weights of those blocks, and the host copies never change.
 - --quantize_base fp8 replaces every frozen Linear of the blocks, gives a loss within 1 % of the unquantized base's
@@ -45,13 +45,13 @@ def one_thread():
 INPUTS = {"flux": (4, 64, 32), "sd3": (16, 96, 80)}
 
 
-def tiny_denoiser(dtype=torch.float32, dora=False, fp8=False, nf4=False, swap=0, family="flux"):
+def tiny_denoiser(dtype=torch.float32, dora=False, fp8=False, nf4=False, swap=0, family="flux", adapter="lora"):
     """A tiny transformer of the family (Flux.1: the shipped base's; SD3: its tiny layout with 3 blocks, random
     weights), frozen, with LoRA on the family's default targets (its B weights not zero, so that every LoRA weight
-    gets a gradient) and gradient checkpointing; an fp8 or nf4 base; `swap` blocks swapped.
+    gets a gradient; or LyCORIS's LoKr) and gradient checkpointing; an fp8 or nf4 base; `swap` blocks swapped.
     -> (transformer, BlockSwap or None)."""
     from diffusers import FluxTransformer2DModel, SD3Transformer2DModel
-    from peft import LoraConfig
+    from peft import LoKrConfig, LoraConfig
 
     from demo.tiny_flow import tiny_configs
 
@@ -64,8 +64,9 @@ def tiny_denoiser(dtype=torch.float32, dora=False, fp8=False, nf4=False, swap=0,
     model.requires_grad_(False)
     if nf4:
         to_nf4(model, module)
-    model.add_adapter(LoraConfig(r=4, lora_alpha=4, init_lora_weights="gaussian", use_dora=dora,
-                                 target_modules=module.LORA_TARGETS.split(",")))
+    targets = module.LORA_TARGETS.split(",")
+    lora = LoraConfig(r=4, lora_alpha=4, init_lora_weights="gaussian", use_dora=dora, target_modules=targets)
+    model.add_adapter(LoKrConfig(r=4, alpha=4, target_modules=targets) if adapter == "lokr" else lora)
     with torch.no_grad():
         for param in model.parameters():
             if param.requires_grad:
@@ -108,11 +109,12 @@ def step(model, autocast=False, family="flux"):
 
 
 @pytest.mark.parametrize("family,swap,kind", [("flux", 1, "lora"), ("flux", 4, "dora"), ("flux", 2, "fp8"),
-                                             ("flux", 3, "nf4"), ("sd3", 3, "fp8")])
+                                             ("flux", 2, "lokr-fp8"), ("flux", 3, "nf4"), ("sd3", 3, "fp8")])
 def test_block_swap_is_bitwise_no_swap_and_really_moves_the_blocks(family, swap, kind):
     if kind == "nf4":
         pytest.importorskip("bitsandbytes")
-    options = {"dora": kind == "dora", "fp8": kind == "fp8", "nf4": kind == "nf4", "family": family}
+    options = {"dora": kind == "dora", "fp8": "fp8" in kind, "nf4": kind == "nf4", "family": family,
+               "adapter": "lokr" if "lokr" in kind else "lora"}
     plain, _ = tiny_denoiser(**options)
     model, swapper = tiny_denoiser(**options, swap=swap)
     assert len(swapper.order) == swap
