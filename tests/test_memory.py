@@ -172,9 +172,6 @@ BAD = {  # parsing the flags (a local base: its family is known then)
     "swap-on-a-unet": ([SD, "--blocks_to_swap", "1", "--gradient_checkpointing"],
                        "--blocks_to_swap swaps a transformer's blocks", "UNet"),
     "fp8-on-a-unet": ([SD, "--quantize_base", "fp8"], "--quantize_base fp8", "UNet", "nf4"),
-    "too-many-blocks": ([BASE, "--gradient_checkpointing", "--blocks_to_swap", "5"],  # (once the accelerator is made)
-                        "--blocks_to_swap 5: the Flux.1 transformer of", "has 4 blocks (1 transformer_blocks and 3 "
-                        "single_transformer_blocks); give at most 4"),
 }
 
 
@@ -186,9 +183,18 @@ def test_bad_input_is_one_line(case, digits, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-def test_engines_and_torch_without_float8_are_one_line(monkeypatch):
-    """(In process: DeepSpeed and FSDP do not run on this machine, and this torch has float8.)"""
+def test_engines_too_many_blocks_and_torch_without_float8_are_one_line(monkeypatch):
+    """In process (main's checks, once the accelerator is made: the UserError is one line as the cases above show):
+    DeepSpeed and FSDP do not run on this machine, and this torch has float8."""
     from accelerate.utils import DistributedType
+
+    args = types.SimpleNamespace(blocks_to_swap=5, quantize_base=None, gradient_checkpointing=True,
+                                 pretrained_model_name_or_path=str(BASE), revision=None, cache_dir=None)
+    with pytest.raises(UserError, match=r"--blocks_to_swap 5: the Flux.1 transformer of '.*' has 4 blocks \(1 "
+                                        r"transformer_blocks and 3 single_transformer_blocks\); give at most 4$"):
+        check_block_swap(args, flux, types.SimpleNamespace(distributed_type=DistributedType.NO))
+    args.blocks_to_swap = 4
+    check_block_swap(args, flux, types.SimpleNamespace(distributed_type=DistributedType.NO))
 
     for engine, name in ((DistributedType.DEEPSPEED, "DeepSpeed"), (DistributedType.FSDP, "FSDP")):
         for flags, said in (({"blocks_to_swap": 2}, "--blocks_to_swap does"),
