@@ -36,7 +36,7 @@ SDXL (1024 px; the VAE always runs in fp32, so SDXL's fp16 VAE overflow cannot b
         --pretrained_model_name_or_path stabilityai/stable-diffusion-xl-base-1.0 <the same data flags> \
         --train_batch_size 1 --gradient_accumulation_steps 4 --mixed_precision bf16 --cache_latents \
         --gradient_checkpointing --output_dir outputs/lora-sdxl
-Flux.1-dev (bf16 base, gradient checkpointing; --quantize_base nf4 for the QLoRA recipe on a smaller GPU):
+Flux.1-dev (bf16 base, gradient checkpointing; on a smaller GPU --quantize_base nf4 or fp8, --blocks_to_swap N):
     accelerate launch --config_file accelerate_configs/single_gpu.yaml train_lora.py \
         --pretrained_model_name_or_path black-forest-labs/FLUX.1-dev <the same data flags> --resolution 1024 \
         --train_batch_size 1 --gradient_accumulation_steps 4 --mixed_precision bf16 --cache_latents \
@@ -47,7 +47,7 @@ DreamBooth with prior preservation (diffusers' flags; the base draws the missing
 Then:  python sample.py --model outputs/lora-naruto --prompt "a girl with pink hair"
 
 A copy also needs the module of its base's family: common/families/sd.py, sdxl.py, sd3.py or flux.py.
-Copy with: common/__init__.py, common/args.py, common/base_models.py, common/buckets.py, common/caption_files.py, common/checkpoints.py, common/cli.py, common/diffusion.py, common/distributed.py, common/drawing.py, common/dreambooth.py, common/families/__init__.py, common/fsdp.py, common/image_data.py, common/lora_adapters.py, common/lora_files.py, common/lora_metadata.py, common/loss_masks.py, common/objectives.py, common/optimizers.py, common/preemption.py, common/prompts.py, common/reporting.py, common/sgm_names.py, common/training.py, common/ui_lora.py, common/vae.py, common/validation_images.py, common/validation_loss.py
+Copy with: common/__init__.py, common/args.py, common/base_models.py, common/block_swap.py, common/buckets.py, common/caption_files.py, common/checkpoints.py, common/cli.py, common/diffusion.py, common/distributed.py, common/drawing.py, common/dreambooth.py, common/families/__init__.py, common/float8_base.py, common/fsdp.py, common/image_data.py, common/lora_adapters.py, common/lora_files.py, common/lora_metadata.py, common/loss_masks.py, common/objectives.py, common/optimizers.py, common/preemption.py, common/prompts.py, common/reporting.py, common/sgm_names.py, common/training.py, common/ui_lora.py, common/vae.py, common/validation_images.py, common/validation_loss.py
 """  # noqa: E501 (the copy list stays one line, for grep)
 import math
 import os
@@ -70,6 +70,7 @@ from common.args import (
     probability,
 )
 from common.base_models import SHIPPED_BASE, add_base_model_args, check_base_args, size_factor
+from common.block_swap import add_block_swap_args
 from common.buckets import check_bucket_resolution
 from common.caption_files import caption_folder_reader, check_caption_args
 from common.checkpoints import agreed_checkpoint, detect_shared_output_dir, read_checkpoint_info, resolve_resume
@@ -96,9 +97,11 @@ def parse_args(argv=None):
     add_base_model_args(g, SHIPPED_BASE, "A StableDiffusionPipeline, StableDiffusionXLPipeline, "
                                          "StableDiffusion3Pipeline or FluxPipeline: hub id or folder (default: the "
                                          "shipped tiny digits base).")
-    g.add_argument("--quantize_base", default=None, choices=["nf4"],
-                   help="QLoRA: the frozen denoiser in 4-bit NF4 (bitsandbytes through diffusers' BitsAndBytesConfig; "
-                        "CUDA only, `make install-extras`).")
+    g.add_argument("--quantize_base", default=None, choices=["nf4", "fp8"],
+                   help="nf4 (QLoRA): the frozen denoiser in 4-bit NF4 (bitsandbytes through diffusers' "
+                        "BitsAndBytesConfig; CUDA only, `make install-extras`); fp8: its transformer blocks' Linear "
+                        "weights in float8_e4m3fn with a scale per row, cast up layer by layer (any device).")
+    add_block_swap_args(g)  # --blocks_to_swap
     add_objective_args(g)
     g = parser.add_argument_group("LoRA")
     g.add_argument("--rank", type=positive_int, default=8,
@@ -195,6 +198,7 @@ def main(args):
     # 2. Data: images decoded once; each image's captions as indices into the distinct prompts ("" for dropout).
     # <domain: data>
     from common.base_models import base_resolution, check_family_args
+    from common.block_swap import check_block_swap
     from common.buckets import batching, bucket_images, validation_sizes
     from common.dreambooth import PriorLoss, class_images, instance_reader, prior_batching, with_class_images
     from common.families import load_family, read_model_index
@@ -206,6 +210,7 @@ def main(args):
     family = load_family(path, flag, args.revision, args.cache_dir)  # which pipeline: its model_index.json
     check_family_args(args, family)  # (a hub base's: now that its family is known)
     check_lora_args(args, family)
+    check_block_swap(args, family, accelerator)  # (swap, fp8: not under DeepSpeed or FSDP; swap: at most the blocks)
     check_validation_image_args(args, family)
     # The training size: the base's native one unless given. Far below it, what the LoRA learns shows little in
     # images at the size the base samples at.
@@ -241,7 +246,7 @@ def main(args):
 
     from common.base_models import load_parts, offload_idle_models
     from common.fsdp import uniform_dtype
-    from common.lora_adapters import add_lora, quantization_config
+    from common.lora_adapters import add_lora, place_frozen_denoiser, quantization_config
     from common.objectives import make_objective
     from common.prompts import Conditioning
     from common.vae import encode_params, sample_latents
@@ -260,11 +265,12 @@ def main(args):
     for model in (vae, *text_encoders.values()):
         model.requires_grad_(False).to(accelerator.device)
     denoiser.requires_grad_(False)
-    if quantization is None:  # (a quantized model is placed on the GPU as it loads)
+    if quantization is None and not (args.quantize_base or args.blocks_to_swap):  # (else: place_frozen_denoiser)
         denoiser.to(accelerator.device)
     # a guidance-distilled base (Flux.1-dev) takes the guidance as an input; --guidance_scale sets it
     guidance = args.guidance_scale if denoiser.config.get("guidance_embeds") else None
     trained = add_lora(family, denoiser, text_encoders, args)  # what trains, by checkpoint subfolder
+    place_frozen_denoiser(family, denoiser, args, weight_dtype, accelerator.device)  # fp8, block swap, device
     cast_training_params(list(trained.values()), dtype=lora_dtype)
     uniform_dtype(accelerator, trained.values(), lora_dtype)  # (FSDP: the frozen weights too)
     trainable = {f"{name}.{n}": p for name, m in trained.items() for n, p in m.named_parameters() if p.requires_grad}

@@ -1,6 +1,9 @@
 """peft adapters on a base's denoiser and CLIP text encoders, for train_lora.py: LoRA (diffusers' LoraConfig
 settings) or LyCORIS's LoHa and LoKr (peft's LoHaConfig, LoKrConfig; --adapter), the family's default targets, targets
-that match no module named with the closest ones, and the QLoRA base's quantization config."""
+that match no module named with the closest ones, the QLoRA base's quantization config, and where the frozen
+denoiser goes once its adapters are added (--quantize_base fp8, --blocks_to_swap: common/float8_base.py,
+common/block_swap.py)."""
+from .block_swap import check_block_swap_flags, swap_lists
 from .cli import UserError, first_line
 
 
@@ -45,17 +48,25 @@ def check_lora_args(args, family):
             raise UserError(f"--use_dora is LoRA's (DoRA); leave it out with --adapter {args.adapter}")
         if args.lora_dropout:
             raise UserError(f"--lora_dropout is LoRA's; leave it out with --adapter {args.adapter}")
-        if args.quantize_base:  # peft's LoHa and LoKr layers wrap plain Linear and Conv layers only
-            raise UserError(f"--quantize_base: peft's {args.adapter} cannot wrap 4-bit layers; train it on an "
-                            "unquantized base, or use --adapter lora")
+        if args.quantize_base == "nf4":  # peft's LoHa and LoKr layers wrap plain Linear and Conv layers only
+            raise UserError(f"--quantize_base nf4: peft's {args.adapter} cannot wrap 4-bit layers; train it on an "
+                            "unquantized base or an fp8 one (--quantize_base fp8), or use --adapter lora")
     if args.lokr_factor != -1 and (args.adapter != "lokr" or args.lokr_factor < 1):
         raise UserError(f"--lokr_factor {args.lokr_factor}: LoKr's factor (with --adapter lokr) is a positive "
                         "integer, or -1 for the default")
+    check_block_swap_flags(args, family)
+    if args.quantize_base == "fp8":
+        if family is not None and not swap_lists(family):
+            raise UserError(f"--quantize_base fp8 stores a transformer's blocks in fp8, and {family.NAME} bases have a "
+                            "UNet: use --quantize_base nf4 (CUDA), or leave it out")
+        from .float8_base import check_float8
+
+        check_float8()
     if family is None:
         return
     if args.target_modules is None:
         args.target_modules = comma_list(family.LORA_TARGETS)
-    if args.quantize_base and importlib.util.find_spec("bitsandbytes") is None:
+    if args.quantize_base == "nf4" and importlib.util.find_spec("bitsandbytes") is None:
         raise UserError("--quantize_base nf4 needs bitsandbytes (`make install-extras`, on a CUDA machine)")
 
 
@@ -71,14 +82,36 @@ def check_resumed_lora(path, saved, now):
 
 def quantization_config(args, weight_dtype, device):
     """diffusers' QLoRA recipe (--quantize_base nf4): the frozen denoiser in 4-bit NF4, computing in the weight
-    dtype; None without the flag. CUDA only."""
-    if not args.quantize_base:
+    dtype; None without it (--quantize_base fp8: once the adapters are added, place_frozen_denoiser). CUDA only."""
+    if args.quantize_base == "fp8":
+        from .float8_base import check_float8
+
+        check_float8(device)  # (this device can cast float8)
+    if args.quantize_base != "nf4":
         return None
     if device.type != "cuda":
         raise UserError("--quantize_base nf4 runs on CUDA GPUs only (bitsandbytes): leave it out on this machine")
     from diffusers import BitsAndBytesConfig
 
     return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=weight_dtype)
+
+
+def place_frozen_denoiser(family, denoiser, args, weight_dtype, device):
+    """Once the adapters are added: with --quantize_base fp8 the frozen Linear layers of the denoiser's blocks in
+    float8 (quantized on `device`); with --blocks_to_swap the frozen weights of that many blocks in host memory,
+    copied in as they run; the rest of the denoiser on `device` (an nf4 one is there as it loads). -> the BlockSwap,
+    or None."""
+    from .block_swap import swap_blocks, swapped_blocks
+
+    if args.quantize_base == "fp8":
+        from .float8_base import quantize_blocks
+
+        host = set(swapped_blocks(family, denoiser, args.blocks_to_swap)[1])
+        quantize_blocks(denoiser, swap_lists(family), weight_dtype, device, host_blocks=host)
+    swap = swap_blocks(family, denoiser, args.blocks_to_swap, device) if args.blocks_to_swap else None
+    if args.quantize_base != "nf4":
+        denoiser.to(device)
+    return swap
 
 
 def adapter_config(args, targets):

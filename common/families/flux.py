@@ -41,6 +41,7 @@ SAMPLE_FLAGS = ("max_sequence_length",)
 LORA_SCALE_ARGUMENT = "joint_attention_kwargs"  # the pipeline call's argument that scales the LoRAs
 PIPELINE_EXTRAS = {}
 SINGLE_FILE = False  # no single-file checkpoint layout here (train_text_to_image.py --save_model_as)
+SWAP_BLOCKS = ("transformer_blocks", "single_transformer_blocks")  # the blocks, in the order they run
 NATIVE_SIZE_FROM = "VAE"  # whose config's sample_size is the native training size
 RESOLUTION_FACTOR = "the VAE's downsampling factor times 2 (Flux packs 2 x 2 latents)"
 

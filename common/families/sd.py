@@ -46,6 +46,9 @@ SAMPLE_FLAGS = ("negative_prompt", "guidance_rescale", "clip_skip")  # sample.py
 LORA_SCALE_ARGUMENT = "cross_attention_kwargs"  # the pipeline call's argument that scales the LoRAs
 PIPELINE_EXTRAS = {"safety_checker": None, "feature_extractor": None, "requires_safety_checker": False}
 SINGLE_FILE = True  # the original single-file checkpoint layout holds it (train_text_to_image.py --save_model_as)
+# the denoiser's lists of transformer blocks, in the order its forward runs them (--blocks_to_swap, --quantize_base
+# fp8); a UNet has none
+SWAP_BLOCKS = ()
 NATIVE_SIZE_FROM = "VAE"  # whose config's sample_size is the native training size
 RESOLUTION_FACTOR = "the VAE's downsampling factor"
 

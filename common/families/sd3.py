@@ -51,6 +51,7 @@ SAMPLE_FLAGS = ("negative_prompt", "max_sequence_length", "drop_t5")
 LORA_SCALE_ARGUMENT = "joint_attention_kwargs"  # the pipeline call's argument that scales the LoRAs
 PIPELINE_EXTRAS = {}
 SINGLE_FILE = False  # no single-file checkpoint layout here (train_text_to_image.py --save_model_as)
+SWAP_BLOCKS = ("transformer_blocks",)  # the denoiser's blocks, in the order its forward runs them
 NATIVE_SIZE_FROM = "transformer"  # whose config's sample_size is the native training size
 RESOLUTION_FACTOR = "the VAE's downsampling factor times the transformer's patch size"
 

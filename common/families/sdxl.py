@@ -48,6 +48,7 @@ SAMPLE_FLAGS = ("negative_prompt", "guidance_rescale", "clip_skip")  # sample.py
 LORA_SCALE_ARGUMENT = "cross_attention_kwargs"  # the pipeline call's argument that scales the LoRAs
 PIPELINE_EXTRAS = {}
 SINGLE_FILE = True  # the original single-file checkpoint layout holds it (train_text_to_image.py --save_model_as)
+SWAP_BLOCKS = ()  # a UNet: no lists of blocks (--blocks_to_swap, --quantize_base fp8)
 NATIVE_SIZE_FROM = "VAE"  # whose config's sample_size is the native training size
 RESOLUTION_FACTOR = "the VAE's downsampling factor"
 
