@@ -42,10 +42,17 @@ install-extras: install
 	set -o pipefail; $(PY) -m pip install --quiet --disable-pip-version-check --no-compile \
 	  -r requirements-extras.txt 2>&1 | { grep -v "is ignored: it is neither a file nor a directory" || true; }
 
-# DeepSpeed (accelerate_configs/deepspeed_zero2.yaml), for GPU machines: not in requirements.txt, nothing here needs it.
+# DeepSpeed (accelerate_configs/deepspeed_zero2.yaml): not in requirements.txt; only `make test-engines` needs it here.
 install-deepspeed: install
 	set -o pipefail; $(PY) -m pip install --quiet --disable-pip-version-check --no-compile \
 	  -r requirements-deepspeed.txt 2>&1 | { grep -v "is ignored: it is neither a file nor a directory" || true; }
+
+# The distributed engines end to end (tests/test_engines.py): train_lora.py under DeepSpeed ZeRO-2 and ZeRO-3 on
+# DeepSpeed's CPU accelerator, one and two processes, and under FSDP with one process; about 8 minutes on 2 CPU cores.
+# `make test` runs only that file's cheap checks: run this before submitting a change to the engines' code.
+.PHONY: test-engines
+test-engines: install-deepspeed
+	ENGINE_TESTS=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(PY) -m pytest -q -n 0 tests/test_engines.py $(ARGS)
 
 RED_DIGITS := data/digits-red-ink/train/metadata.jsonl
 CAPTION_DIGITS := data/digits-captions/0
