@@ -35,8 +35,10 @@ def cpu_backend():
     """The process group's backend for DeepSpeed on its CPU accelerator (DS_ACCELERATOR=cpu, or no GPU), else None.
     accelerate picks a backend only for GPU-like devices: without one given, it would count each process of a
     DeepSpeed run on CPUs as the only one (every process the main one, the data unsplit)."""
-    if not asks_for_deepspeed():
-        return None
+    from accelerate.utils import parse_flag_from_env
+
+    if not asks_for_deepspeed() or parse_flag_from_env("ACCELERATE_USE_CPU") or "LOCAL_RANK" not in os.environ:
+        return None  # (not launched by DeepSpeed's launcher, or a launch whose DeepSpeed accelerate drops)
     from deepspeed.accelerator import get_accelerator
 
     accelerator = get_accelerator()

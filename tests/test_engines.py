@@ -23,7 +23,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import ROOT, assert_one_line_error, launch, logged_losses, offline_env, read_results
+from conftest import ROOT, assert_one_line_error, launch, logged_losses, offline_env, read_results, run_script
 from safetensors.torch import load_file
 
 CONFIGS = ROOT / "accelerate_configs"
@@ -234,12 +234,13 @@ def test_zero3_keeps_the_frozen_text_encoder_whole(digits, tiny_sd, tmp_path):
 
 @needs_deepspeed
 def test_a_deepspeed_config_that_accelerate_would_drop_is_one_line(digits, tiny_sd, tmp_path):
-    """`accelerate launch` (not make) of a DeepSpeed config with ACCELERATE_USE_CPU set: accelerate would train
-    without DeepSpeed, silently; the script says so before anything is written."""
+    """A DeepSpeed launch with ACCELERATE_USE_CPU set, past the launcher (`accelerate launch` typed by hand: what its
+    DeepSpeed launcher gives the script): accelerate would train without DeepSpeed, silently; the script says so,
+    before anything is written."""
     out = tmp_path / "out"
-    env = {**deepspeed_env(), "ACCELERATE_USE_CPU": "1"}
-    proc = launch("train_lora.py", "--train_data_dir", digits, "--pretrained_model_name_or_path", tiny_sd, *SD,
-                  "--max_train_steps", "1", "--output_dir", out, config="deepspeed_zero2.yaml", env=env, check=False,
-                  launch_args=["--num_processes", "1"])
+    env = {**deepspeed_env(), "ACCELERATE_USE_CPU": "1", "ACCELERATE_USE_DEEPSPEED": "true",
+           "ACCELERATE_DEEPSPEED_ZERO_STAGE": "2", "ACCELERATE_MIXED_PRECISION": "bf16"}
+    proc = run_script("train_lora.py", "--train_data_dir", digits, "--pretrained_model_name_or_path", tiny_sd, *SD,
+                      "--max_train_steps", "1", "--output_dir", out, env=env)
     assert_one_line_error(proc, "asks for DeepSpeed, but ACCELERATE_USE_CPU is set")
-    assert not out.exists()
+    assert proc.returncode == 2 and not out.exists()
