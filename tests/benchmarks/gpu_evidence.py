@@ -907,6 +907,8 @@ def unmet(requirement, who):
     from packaging.requirements import Requirement
 
     req = Requirement(requirement)
+    if req.marker is not None and not req.marker.evaluate({"extra": ""}):
+        return None  # (not for this Python or platform)
     have = installed_version(req.name)
     if have is None:
         return f"{who} {req}: not installed"
