@@ -48,7 +48,7 @@ install-deepspeed: install
 	  -r requirements-deepspeed.txt 2>&1 | { grep -v "is ignored: it is neither a file nor a directory" || true; }
 
 # The distributed engines end to end (tests/test_engines.py): train_lora.py under DeepSpeed ZeRO-2 and ZeRO-3 on
-# DeepSpeed's CPU accelerator, one and two processes, and under FSDP with one process; about 8 minutes on 2 CPU cores.
+# DeepSpeed's CPU accelerator, one and two processes, and under FSDP with one process; about 10 minutes on 2 CPU cores.
 # `make test` runs only that file's cheap checks: run this before submitting a change to the engines' code.
 .PHONY: test-engines
 test-engines: install-deepspeed

@@ -125,15 +125,13 @@ def gathered(model):
         yield
 
 
-def full_copies(accelerator, prepared, main_only=False):
+def full_copies(accelerator, prepared, main_only, plain_copy):
     """{name: a plain copy of the model} for the prepared models {name: DeepSpeed engine}; every process calls it (the
     fp32 master weights and, under ZeRO-3, the weights are gathered from every process). A copy's trained weights
     are DeepSpeed's fp32 masters; its frozen weights are the model's own tensors (ZeRO-2) or gathered clones
     (ZeRO-3); it casts its inputs to the weights' dtype as the prepared model does. `main_only`: None on the other
-    processes."""
+    processes. `plain_copy(model, state_dict)`: common/fsdp.py's."""
     from deepspeed.utils import safe_get_full_fp32_param
-
-    from .fsdp import plain_copy
 
     dtype = compute_dtype(accelerator)
     copies = {}

@@ -95,7 +95,7 @@ def full_models(accelerator, prepared, main_only=False):
     from .deepspeed_engine import full_copies, is_deepspeed
 
     if is_deepspeed(accelerator):
-        return full_copies(accelerator, prepared, main_only)
+        return full_copies(accelerator, prepared, main_only, plain_copy)
     unwrapped = {name: accelerator.unwrap_model(model, keep_torch_compile=False) for name, model in prepared.items()}
     if not is_fsdp(accelerator):
         return unwrapped

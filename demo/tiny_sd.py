@@ -225,7 +225,7 @@ def materialize(pipe, device, dtype=None):
                 value.zero_()
             else:
                 value.fill_(1.0)  # norms' scales (and the rare other vector: a neutral 1)
-            set_module_tensor_to_device(model, name, device, value=value)
+            set_module_tensor_to_device(model, name, device, value=value, dtype=value.dtype)
         model.to(device)
 
 
