@@ -798,9 +798,12 @@ def run_pieces(args):
         print("gpu-evidence: every piece asked for has its result")
         return 0
 
-    problems = preflight_problems(cfg)
+    problems = preflight_problems(cfg, essential_only=True)
     if problems:
         raise UserError(preflight_error(problems))
+    others = preflight_problems(cfg)
+    if others:  # (a piece that needs such a package says so in one line, and the others run)
+        print(f"preflight: {'; '.join(others)}: the pieces that need these will not run", flush=True)
     import torch
 
     device = torch.device(cfg.get("device", "cuda"))
@@ -917,14 +920,19 @@ def unmet(requirement, who):
     return None
 
 
-def preflight_problems(cfg):
+def preflight_problems(cfg, essential_only=False):
     """-> [problem, ...] (one line each), in about a second, nothing imported: each wheel of the pack
     (.gpu-pack/manifest.json) installed at its version and first on the path (the device call's pip line puts it
     there), what each needs met by what this machine has (its own packages or packed ones), and the recipes' own
-    needs of the machine's packages (workloads.toml's device_needs). Without a pack, the last only."""
+    needs of the machine's packages (workloads.toml's device_needs). Without a pack, the last only. `essential_only`:
+    the problems of what every piece needs (`packages`, device_needs); the others stop only the pieces that need
+    their package (each piece checks its imports)."""
     problems = []
     pack = pack_manifest(cfg)
+    essential = {canonical(p) for p in cfg.get("packages", ())}
     for name, wheel in (pack or {}).get("wheels", {}).items():
+        if essential_only and canonical(name) not in essential:
+            continue
         have = installed_version(name)
         if have != wheel["version"]:
             problems.append(f"{name} {wheel['version']} is packed, " + (f"{name} {have} imports first" if have else
