@@ -42,10 +42,17 @@ install-extras: install
 	set -o pipefail; $(PY) -m pip install --quiet --disable-pip-version-check --no-compile \
 	  -r requirements-extras.txt 2>&1 | { grep -v "is ignored: it is neither a file nor a directory" || true; }
 
-# DeepSpeed (accelerate_configs/deepspeed_zero2.yaml), for GPU machines: not in requirements.txt, nothing here needs it.
+# DeepSpeed (accelerate_configs/deepspeed_zero2.yaml): not in requirements.txt; only `make test-engines` needs it here.
 install-deepspeed: install
 	set -o pipefail; $(PY) -m pip install --quiet --disable-pip-version-check --no-compile \
 	  -r requirements-deepspeed.txt 2>&1 | { grep -v "is ignored: it is neither a file nor a directory" || true; }
+
+# The distributed engines end to end (tests/test_engines.py): train_lora.py under DeepSpeed ZeRO-2 and ZeRO-3 on
+# DeepSpeed's CPU accelerator, one and two processes, and under FSDP with one process; about 10 minutes on 2 CPU cores.
+# `make test` runs only that file's cheap checks: run this before submitting a change to the engines' code.
+.PHONY: test-engines
+test-engines: install-deepspeed
+	ENGINE_TESTS=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(PY) -m pytest -q -n 0 tests/test_engines.py $(ARGS)
 
 RED_DIGITS := data/digits-red-ink/train/metadata.jsonl
 CAPTION_DIGITS := data/digits-captions/0
@@ -239,31 +246,38 @@ bench: data $(TINY_SD) $(TINY_FLUX)
 bench-peers: install
 	$(PY) tests/benchmarks/flux_peer.py fetch --diffusers_repo "$(DIFFUSERS_REPO)"
 
-# On a GPU: train_lora.py on the Stable Diffusion 1.5 architecture (random weights, built offline into
+# On a GPU: train_lora.py on the Stable Diffusion 1.5 architecture (random weights, built on the GPU into
 # models/sd15-random the first time) at 512 px, batch 1 and 4, fp16 and bf16, with and without gradient
 # checkpointing, against its reference loop: steps/s, peak GPU memory, MFU; outputs/bench/gpu_results.json.
 # About 9 min on one H100 (8 recipe runs of ~45 s, most of it start-up). BENCH_ARGS="--precisions bf16" etc.
+# No install step (a GPU machine may have no network): the machine's own Python (.venv's where there is one) with
+# the pack's wheels on PYTHONPATH where it lacks diffusers and datasets (docs/performance.md, GPU evidence).
 .PHONY: bench-gpu bench-gpu-sdxl
-bench-gpu: data
-	$(PY) tests/benchmarks/gpu_lora.py $(BENCH_ARGS)
+bench-gpu:
+	$(GPU_PY) tests/benchmarks/gpu_lora.py $(BENCH_ARGS)
 
 # The same on SDXL's architecture (random weights, built into models/sdxl-random the first time) at 1024 px, bf16,
 # batch 1 and 4, with and without gradient checkpointing; outputs/bench/gpu_sdxl_results.json.
-bench-gpu-sdxl: data
-	$(PY) tests/benchmarks/gpu_lora.py --workload gpu_sdxl --output outputs/bench/gpu_sdxl_results.json $(BENCH_ARGS)
+bench-gpu-sdxl:
+	$(GPU_PY) tests/benchmarks/gpu_lora.py --workload gpu_sdxl --output outputs/bench/gpu_sdxl_results.json $(BENCH_ARGS)
 
-# On a GPU: every GPU claim of the docs measured by one command (tests/benchmarks/gpu_evidence.py; the pieces are
-# workloads.toml's [gpu_evidence]: a SD 1.5 against diffusers' script, eager and compiled; b SDXL; c the optimizers;
-# d DeepSpeed ZeRO-2/3 and FSDP on one GPU; e Flux.1 and SD3), up to an hour on one H100 in pieces of at most 8 min.
-# Each piece's result goes to tests/benchmarks/results/gpu-evidence/<piece>.json and the piece is skipped while it is
-# there. PIECES=a1,c  BUDGET=540 (start no piece that would not end within that many seconds)  ARGS=--rerun
-# It installs nothing (a GPU machine may have no network): `make gpu-evidence-pack` on a machine with one brings what
-# is missing (docs/performance.md, GPU evidence). `make gpu-evidence-list`: each piece's state and what it lacks here.
-.PHONY: gpu-evidence gpu-evidence-pack gpu-evidence-list gpu-evidence-report
+# On a GPU: the docs' GPU claims, by one device command of at most 9 minutes (tests/benchmarks/gpu_evidence.py; the
+# pieces are workloads.toml's [gpu_evidence], in value order: a SD 1.5 against diffusers' script, eager then
+# compiled; b FLUX.1-dev's memory modes against diffusers' QLoRA script; c SDXL, the optimizers, DeepSpeed/FSDP on one
+# GPU; e SD3). Each piece's result goes to tests/benchmarks/results/gpu-evidence/<piece>.json and the piece is skipped
+# while it is there. PIECES=a-eager,c-engines  BUDGET=510 (start no piece that would not end within that many
+# seconds, stop at its end)  ARGS=--rerun. It installs nothing (a GPU machine may have no network): `make
+# gpu-evidence-pack` on a machine with one brings what is missing, and the preflight (`make gpu-evidence-preflight`,
+# seconds) checks it against the machine's packages (docs/performance.md, GPU evidence). `make gpu-evidence-list`:
+# each piece's state and what it lacks here.
+.PHONY: gpu-evidence gpu-evidence-pack gpu-evidence-list gpu-evidence-report gpu-evidence-preflight
 GPU_PY = $(if $(wildcard $(PY)),$(PY),python3)
 gpu-evidence:
 	$(GPU_PY) tests/benchmarks/gpu_evidence.py run $(if $(PIECES),--pieces $(PIECES),) \
 	  $(if $(BUDGET),--budget_s $(BUDGET),) $(ARGS)
+
+gpu-evidence-preflight:
+	$(GPU_PY) tests/benchmarks/gpu_evidence.py preflight
 
 gpu-evidence-list:
 	$(GPU_PY) tests/benchmarks/gpu_evidence.py list

@@ -17,7 +17,7 @@ of common/families/ (SD 1.x/2.x, SDXL, SD3, Flux.1), each through its own diffus
         --dtype bf16 --height 1024 --width 1024
 
 A copy also needs the module of its base's family: common/families/sd.py, sdxl.py, sd3.py or flux.py.
-Copy with: common/__init__.py, common/args.py, common/base_models.py, common/cli.py, common/diffusion.py, common/drawing.py, common/families/__init__.py, common/lora_files.py, common/objectives.py, common/pipelines.py, common/prompts.py, common/sgm_names.py, common/ui_lora.py, common/vae.py
+Copy with: common/__init__.py, common/args.py, common/base_models.py, common/cli.py, common/deepspeed_engine.py, common/diffusion.py, common/drawing.py, common/families/__init__.py, common/lora_files.py, common/objectives.py, common/pipelines.py, common/prompts.py, common/sgm_names.py, common/ui_lora.py, common/vae.py
 """  # noqa: E501 (the copy list stays one line, for grep)
 import json
 import os

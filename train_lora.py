@@ -47,7 +47,7 @@ DreamBooth with prior preservation (diffusers' flags; the base draws the missing
 Then:  python sample.py --model outputs/lora-naruto --prompt "a girl with pink hair"
 
 A copy also needs the module of its base's family: common/families/sd.py, sdxl.py, sd3.py or flux.py.
-Copy with: common/__init__.py, common/args.py, common/base_models.py, common/block_swap.py, common/buckets.py, common/caption_files.py, common/checkpoints.py, common/cli.py, common/diffusion.py, common/distributed.py, common/drawing.py, common/dreambooth.py, common/families/__init__.py, common/float8_base.py, common/fsdp.py, common/image_data.py, common/lora_adapters.py, common/lora_files.py, common/lora_metadata.py, common/loss_masks.py, common/objectives.py, common/optimizers.py, common/preemption.py, common/prompts.py, common/reporting.py, common/sgm_names.py, common/training.py, common/ui_lora.py, common/vae.py, common/validation_images.py, common/validation_loss.py
+Copy with: common/__init__.py, common/args.py, common/base_models.py, common/block_swap.py, common/buckets.py, common/caption_files.py, common/checkpoints.py, common/cli.py, common/deepspeed_engine.py, common/diffusion.py, common/distributed.py, common/drawing.py, common/dreambooth.py, common/families/__init__.py, common/float8_base.py, common/fsdp.py, common/image_data.py, common/lora_adapters.py, common/lora_files.py, common/lora_metadata.py, common/loss_masks.py, common/objectives.py, common/optimizers.py, common/preemption.py, common/prompts.py, common/reporting.py, common/sgm_names.py, common/training.py, common/ui_lora.py, common/vae.py, common/validation_images.py, common/validation_loss.py
 """  # noqa: E501 (the copy list stays one line, for grep)
 import math
 import os

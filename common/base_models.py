@@ -155,6 +155,8 @@ def load_parts(family, path, flag="--pretrained_model_name_or_path", *, dtype, d
 
     import torch
 
+    from .deepspeed_engine import zero3_init_disabled
+
     load = {"revision": revision, "cache_dir": cache_dir}
     parts = {}
     try:
@@ -172,7 +174,8 @@ def load_parts(family, path, flag="--pretrained_model_name_or_path", *, dtype, d
                               (denoiser_dtype or dtype) if name == family.DENOISER else dtype)
                 if name == family.DENOISER and quantization_config is not None:
                     kwargs["quantization_config"] = quantization_config
-            parts[name] = cls.from_pretrained(path, **kwargs)
+            with zero3_init_disabled():  # (ZeRO-3 partitions the prepared model itself; the frozen parts stay whole)
+                parts[name] = cls.from_pretrained(path, **kwargs)
     except (OSError, ValueError) as err:
         raise load_error(flag, path, err) from None
     return parts

@@ -11,10 +11,15 @@ import datetime
 
 def process_group_kwargs(ddp_timeout):
     """`Accelerator(kwargs_handlers=[...])` entry that sets the process group's timeout to `ddp_timeout` seconds, for
-    every backend (accelerate passes it to `torch.distributed.init_process_group`)."""
+    every backend (accelerate passes it to `torch.distributed.init_process_group`); DeepSpeed on CPUs gets its backend
+    here too (common/deepspeed_engine.py's cpu_backend)."""
     from accelerate.utils import InitProcessGroupKwargs
 
-    return InitProcessGroupKwargs(timeout=datetime.timedelta(seconds=ddp_timeout))
+    from .deepspeed_engine import cpu_backend
+
+    backend = cpu_backend()
+    return InitProcessGroupKwargs(timeout=datetime.timedelta(seconds=ddp_timeout),
+                                  **({"backend": backend} if backend else {}))
 
 
 def match_deepspeed_config(accelerator, gradient_accumulation_steps, max_grad_norm):

@@ -6,7 +6,8 @@ or sampled from as it is, and a main-process-only `state_dict()` or forward woul
 process (or every process) to save or sample with a plain copy of each model; `load_full_weights` loads full weights
 back; `clip_grad_norm` clips by the norm over all shards; `check_fsdp_run` refuses, in one line, what does not run
 under FSDP here. Without FSDP each is what the trainers did before: the unwrapped models themselves, their
-`load_state_dict`, `accelerator.clip_grad_norm_`, nothing to refuse.
+`load_state_dict`, `accelerator.clip_grad_norm_`, nothing to refuse. Under DeepSpeed, `uniform_dtype`, `full_models`
+and `check_fsdp_run` do what DeepSpeed needs instead (common/deepspeed_engine.py).
 """
 import os
 import re
@@ -27,6 +28,9 @@ def check_fsdp_run(accelerator, args):
     does not apply it (on a CPU it trains unsharded, silently), FSDP2, a flag that does not run under FSDP here, or a
     checkpoint to resume that another kind of run wrote (FSDP or not). Right after the Accelerator is made: before
     anything loads or is written."""
+    from .deepspeed_engine import check_deepspeed_run
+
+    check_deepspeed_run(accelerator, args)  # (the same for DeepSpeed)
     if args.resume_from_checkpoint:  # (agreed_checkpoint's: a checkpoint folder every process has)
         check_fsdp_checkpoint(args.resume_from_checkpoint, is_fsdp(accelerator))
     asked = os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
@@ -39,6 +43,12 @@ def check_fsdp_run(accelerator, args):
     if accelerator.state.fsdp_plugin.fsdp_version != 1:
         raise UserError("the accelerate config asks for fsdp_version 2; the recipes run FSDP with fsdp_version: 1 "
                         "(accelerate_configs/fsdp.yaml)")
+    plugin = accelerator.state.fsdp_plugin
+    if accelerator.num_processes == 1 or str(plugin.sharding_strategy).endswith("NO_SHARD"):
+        # NO_SHARD (torch's choice for one process) never reshards a unit, and a unit whose weights are all frozen
+        # gets no backward hook to make them parameters again after a forward: its state_dict would lack them (a
+        # checkpoint fails, "FSDP assumes ... is in the state_dict"). Unsharded, nested units save nothing: one unit.
+        plugin.auto_wrap_policy = None
     for flag, why in (("use_ema", "the EMA would average sharded weights"),
                       ("train_text_encoder", "accelerate's FSDP checkpoints pair each optimizer with one model, and "
                                              "one optimizer trains both"),
@@ -65,7 +75,11 @@ def check_fsdp_checkpoint(path, fsdp):
 def uniform_dtype(accelerator, models, dtype):
     """Under FSDP: every weight of the trained `models` in `dtype` (FSDP flattens a model's frozen weights and its
     trained ones, e.g. LoRA's, into one tensor per unit, of one dtype); the accelerator's mixed precision becomes
-    FSDP's, which computes in the low precision. Without FSDP nothing changes."""
+    FSDP's, which computes in the low precision. Under DeepSpeed in bf16/fp16 the models' inputs are cast to DeepSpeed's
+    dtype (common/deepspeed_engine.py). Otherwise nothing changes."""
+    from .deepspeed_engine import prepare_models
+
+    prepare_models(accelerator, models)
     if is_fsdp(accelerator):
         for model in models:
             model.to(dtype)
@@ -76,7 +90,12 @@ def full_models(accelerator, prepared, main_only=False):
     collective under FSDP). Without FSDP: the unwrapped models themselves. Under FSDP: plain copies built from the full
     weights, on every process, or with `main_only` on the main process only (None on the others); a copy is a new
     model (changing it does not reach training) in the weights' dtype, on their device: the memory of one unsharded
-    model more, for as long as it is kept."""
+    model more, for as long as it is kept. Under DeepSpeed: copies holding its fp32 master weights
+    (common/deepspeed_engine.py's full_copies)."""
+    from .deepspeed_engine import full_copies, is_deepspeed
+
+    if is_deepspeed(accelerator):
+        return full_copies(accelerator, prepared, main_only, plain_copy)
     unwrapped = {name: accelerator.unwrap_model(model, keep_torch_compile=False) for name, model in prepared.items()}
     if not is_fsdp(accelerator):
         return unwrapped

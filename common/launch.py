@@ -7,7 +7,9 @@ script still writes its checkpoint; torchrun's launcher raises ChildFailedError 
 wrapper keeps the launcher waiting through a Ctrl-C (the training processes get the signal from the terminal, or
 from torchrun, and stop after a checkpoint) and turns the launcher's exceptions into one line and the script's exit
 code (2: a user error, 130 / 143: stopped by SIGINT / SIGTERM). It first checks that the --config_file yaml reads
-(accelerate answers an unreadable one with a traceback); accelerate validates the values itself.
+(accelerate answers an unreadable one with a traceback), and that the engine it asks for (DeepSpeed, FSDP) would run:
+accelerate drops one silently under --cpu (and DeepSpeed under ACCELERATE_USE_CPU), and a DeepSpeed config without
+deepspeed installed ends in an ImportError traceback. accelerate validates the values itself.
 
 Several machines (--num_machines > 1): each machine's launcher meets the others at --main_process_ip:port before any
 training process starts; torchrun's wait is 900 s, or the script's --ddp_timeout when the command gives one
@@ -35,6 +37,36 @@ def check_accelerate_config(path):
         return f"accelerate config '{path}' cannot be read: {one_line(err)}"
     if not isinstance(config, dict) or "distributed_type" not in config:
         return f"accelerate config '{path}' is not an accelerate config (no distributed_type); see accelerate_configs/"
+    return None
+
+
+def engine_problem(config_file, use_deepspeed=False, use_fsdp=False, cpu=False):
+    """-> None, or why the launch cannot run the engine (DeepSpeed or FSDP) that its config or flags ask for, in one
+    line: accelerate would drop it silently (`--cpu`; ACCELERATE_USE_CPU for DeepSpeed: it then trains without it),
+    or DeepSpeed is not installed (accelerate's launcher would end in an ImportError traceback). An FSDP config with
+    ACCELERATE_USE_CPU is the scripts' to refuse (common/fsdp.py's check_fsdp_run): they run after accelerate's
+    own set-up, which a test may change."""
+    import importlib.util
+
+    import yaml
+
+    kind = None
+    if config_file:
+        with open(config_file) as f:
+            kind = {"DEEPSPEED": "DeepSpeed", "FSDP": "FSDP"}.get(str(yaml.safe_load(f).get("distributed_type")))
+    kind = "DeepSpeed" if use_deepspeed else "FSDP" if use_fsdp else kind
+    if kind is None:
+        return None
+    where = f"the accelerate config '{config_file}'" if config_file else "this launch"
+    on_cpu = os.environ.get("ACCELERATE_USE_CPU", "").strip().lower() in ("1", "true", "yes", "y", "on", "t")
+    if cpu or (kind == "DeepSpeed" and on_cpu):
+        why = "--cpu is given" if cpu else "ACCELERATE_USE_CPU is set"
+        return (f"{where} asks for {kind}, but {why}: accelerate then drops {kind} and trains without it. Leave "
+                f"{'--cpu out' if cpu else 'ACCELERATE_USE_CPU unset'} (DeepSpeed runs on a machine without GPUs on "
+                "its CPU accelerator, DS_ACCELERATOR=cpu), or use accelerate_configs/cpu.yaml or cpu_2proc.yaml")
+    if kind == "DeepSpeed" and importlib.util.find_spec("deepspeed") is None:
+        return (f"{where} asks for DeepSpeed, which is not installed here: run `make install-deepspeed` "
+                "(requirements-deepspeed.txt), or use another config")
     return None
 
 
@@ -84,6 +116,8 @@ def rendezvous_message(args, err):
 def main(argv):
     config_file = next((argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--config_file"), None)
     problem = config_file and check_accelerate_config(config_file)
+    flags = set(argv[:next((i for i, a in enumerate(argv) if a.endswith(".py")), len(argv))])  # the launcher's
+    problem = problem or engine_problem(config_file, *(f in flags for f in ("--use_deepspeed", "--use_fsdp", "--cpu")))
     if problem:
         print(f"error: {problem}", file=sys.stderr, flush=True)
         sys.exit(2)

@@ -96,9 +96,23 @@ def t5_tokenizer(model_max_length=512):
     return T5TokenizerFast(vocab=pieces, extra_ids=100, model_max_length=model_max_length)
 
 
-def build_random_flow(configs, seed=0, device="cpu", dtype=None):
+def shift_and_scale_vae(vae):
+    """Move a random VAE's latents to zero mean and unit variance, as the real factors do."""
+    import torch
+
+    with torch.no_grad():
+        size = vae.config.sample_size
+        param = next(vae.parameters())
+        x = torch.rand(16, 3, size, size, device=param.device, dtype=param.dtype) * 2 - 1
+        latents = vae.encode(x).latent_dist.mean.float()
+    shift = round(latents.mean().item(), 4)
+    vae.register_to_config(shift_factor=shift, scaling_factor=round(1 / (latents - shift).std().item(), 4))
+
+
+def build_random_flow(configs, seed=0, device="cpu", dtype=None, empty=False):
     """-> StableDiffusion3Pipeline or FluxPipeline with random weights (deterministic for a seed and device), on the
-    CPU; on device "meta" nothing is allocated (for counting parameters and tracing shapes)."""
+    CPU; on device "meta" nothing is allocated (for counting parameters and tracing shapes). `empty`: the models'
+    weights on the meta device and their buffers as built, for demo.tiny_sd's `materialize` to fill."""
     import torch
     from diffusers import (
         AutoencoderKL,
@@ -119,6 +133,11 @@ def build_random_flow(configs, seed=0, device="cpu", dtype=None):
     default_dtype = torch.get_default_dtype()
 
     def make(build):
+        if empty:
+            from demo.tiny_sd import empty_weights
+
+            with empty_weights():
+                return build()
         # Built in its final dtype on the device (a large model initialises far faster on a GPU), then moved to the
         # CPU before the next one, so that only one model at a time takes memory on the device.
         torch.set_default_dtype(dtype or default_dtype)
@@ -139,12 +158,8 @@ def build_random_flow(configs, seed=0, device="cpu", dtype=None):
     parts["text_encoder_" + t5_name] = make(lambda: T5EncoderModel(t5_config))
     parts["tokenizer_" + t5_name] = t5_tok
     vae = make(lambda: AutoencoderKL(**configs["vae"]))
-    if "scaling_factor" not in configs["vae"]:
-        with torch.no_grad():  # move the random VAE's latents to zero mean and unit variance, as the real factors do
-            size = configs["vae"]["sample_size"]
-            latents = vae.encode(torch.rand(16, 3, size, size) * 2 - 1).latent_dist.mean
-        shift = round(latents.mean().item(), 4)
-        vae.register_to_config(shift_factor=shift, scaling_factor=round(1 / (latents - shift).std().item(), 4))
+    if "scaling_factor" not in configs["vae"] and not empty:
+        shift_and_scale_vae(vae)
     transformer_class = SD3Transformer2DModel if sd3 else FluxTransformer2DModel
     transformer = make(lambda: transformer_class(**configs["transformer"]))
     scheduler = FlowMatchEulerDiscreteScheduler(**configs["scheduler"])

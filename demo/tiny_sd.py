@@ -136,8 +136,9 @@ def tiny_sdxl_configs(unet_channels=(32, 64), text_dims=(32, 64)):
     return tiny
 
 
-def build_random_sd(configs, seed=0, device="cpu"):
-    """-> StableDiffusionPipeline with random weights (deterministic for a seed and device), on the CPU."""
+def build_random_sd(configs, seed=0, device="cpu", empty=False):
+    """-> StableDiffusionPipeline with random weights (deterministic for a seed and device), on the CPU. `empty`: the
+    models' weights on the meta device, for `materialize` to fill (their buffers as built)."""
     import torch
     from diffusers import (
         AutoencoderKL,
@@ -153,31 +154,79 @@ def build_random_sd(configs, seed=0, device="cpu"):
     vocab = byte_level_vocab()
     tokenizer = CLIPTokenizer(vocab=vocab, merges=[], model_max_length=77)
 
-    with torch.device(device):  # a large model initialises far faster on a GPU
+    with empty_weights() if empty else torch.device(device):  # a large model initialises far faster on a GPU
         text_encoder = CLIPTextModel(clip_config(configs["text"], vocab))
         text_2 = configs.get("text_2")
         text_encoder_2 = CLIPTextModelWithProjection(clip_config(text_2, vocab)) if text_2 else None
         vae = AutoencoderKL(**configs["vae"])
-        if "scaling_factor" not in configs["vae"]:
-            with torch.no_grad():  # scale the random VAE's latents to unit variance, as SD's 0.18215 does for its own
-                size = configs["vae"]["sample_size"]
-                std = vae.encode(torch.rand(16, 3, size, size) * 2 - 1).latent_dist.mean.std().item()
-            vae.register_to_config(scaling_factor=round(1.0 / std, 5))
+        if "scaling_factor" not in configs["vae"] and not empty:
+            scale_vae(vae)
         unet = UNet2DConditionModel(**configs["unet"])
+    if empty:
+        torch.manual_seed(seed)  # (materialize draws the weights)
+        place = lambda model: model  # noqa: E731
+    else:
+        place = lambda model: model.cpu()  # noqa: E731
     if text_encoder_2 is not None:  # SDXL's own scheduler config
         scheduler = EulerDiscreteScheduler(num_train_timesteps=1000, beta_start=0.00085, beta_end=0.012,
                                            beta_schedule="scaled_linear", prediction_type="epsilon", steps_offset=1,
                                            timestep_spacing="leading", interpolation_type="linear")
-        return StableDiffusionXLPipeline(vae=vae.cpu(), text_encoder=text_encoder.cpu(),
-                                         text_encoder_2=text_encoder_2.cpu(), tokenizer=tokenizer,
+        return StableDiffusionXLPipeline(vae=place(vae), text_encoder=place(text_encoder),
+                                         text_encoder_2=place(text_encoder_2), tokenizer=tokenizer,
                                          tokenizer_2=CLIPTokenizer(vocab=vocab, merges=[], model_max_length=77),
-                                         unet=unet.cpu(), scheduler=scheduler, force_zeros_for_empty_prompt=True)
+                                         unet=place(unet), scheduler=scheduler, force_zeros_for_empty_prompt=True)
     scheduler = DDPMScheduler(num_train_timesteps=1000, beta_start=0.00085, beta_end=0.012,
                               beta_schedule="scaled_linear", prediction_type="epsilon", clip_sample=False,
                               steps_offset=1)
-    return StableDiffusionPipeline(vae=vae.cpu(), text_encoder=text_encoder.cpu(), tokenizer=tokenizer,
-                                   unet=unet.cpu(), scheduler=scheduler, safety_checker=None, feature_extractor=None,
+    return StableDiffusionPipeline(vae=place(vae), text_encoder=place(text_encoder), tokenizer=tokenizer,
+                                   unet=place(unet), scheduler=scheduler, safety_checker=None, feature_extractor=None,
                                    requires_safety_checker=False)
+
+
+def empty_weights():
+    """A context in which models are built with their weights on the meta device (nothing allocated, no init work)
+    and their buffers as usual."""
+    from accelerate import init_empty_weights
+
+    return init_empty_weights(include_buffers=False)
+
+
+def scale_vae(vae):
+    """Scale a random VAE's latents to unit variance, as SD's 0.18215 does for its own (a config without a factor)."""
+    import torch
+
+    with torch.no_grad():
+        size = vae.config.sample_size
+        param = next(vae.parameters())
+        x = torch.rand(16, 3, size, size, device=param.device, dtype=param.dtype) * 2 - 1
+        std = vae.encode(x).latent_dist.mean.float().std().item()
+    vae.register_to_config(scaling_factor=round(1.0 / std, 5))
+
+
+def materialize(pipe, device, dtype=None):
+    """Fill the meta weights of an `empty` pipeline's models on `device` (in `dtype`), with PyTorch's default
+    initialisation statistics drawn at once (uniform within +-1/sqrt(fan_in) for matrices, convolution kernels and
+    embeddings; norm scales 1, biases 0), and move their buffers there: seconds for a 12 B model on a GPU, where each
+    layer's own init would run layer by layer (or minutes on a CPU)."""
+    import torch
+    from accelerate.utils import set_module_tensor_to_device
+
+    for model in pipe.components.values():
+        if not isinstance(model, torch.nn.Module):
+            continue
+        for name, param in list(model.named_parameters()):
+            if not param.is_meta:
+                continue
+            value = torch.empty(param.shape, device=device, dtype=dtype or param.dtype)
+            if value.ndim >= 2:
+                bound = 1 / max(1, value[0].numel()) ** 0.5
+                value.uniform_(-bound, bound)
+            elif name.endswith("bias") or value.ndim == 0:
+                value.zero_()
+            else:
+                value.fill_(1.0)  # norms' scales (and the rare other vector: a neutral 1)
+            set_module_tensor_to_device(model, name, device, value=value, dtype=value.dtype)
+        model.to(device)
 
 
 def build_tiny_sd(unet_channels=(32, 64), text_dim=32, seed=0):
@@ -194,20 +243,29 @@ WHAT = {"tiny": "tiny Stable Diffusion", "sd15": "Stable Diffusion 1.5 architect
 FLOW = ("tiny-sd3", "tiny-flux", "sd3", "flux")  # the flow-matching transformers: demo/tiny_flow.py
 
 
-def write_tiny_sd(output_dir, architecture="tiny", seed=0, device="cpu", **kwargs):
-    """Build and save; the folder appears under its final name only when complete. -> the number of parameters."""
-    if architecture in FLOW:
-        import torch
+def write_tiny_sd(output_dir, architecture="tiny", seed=0, device="cpu", fast=False, **kwargs):
+    """Build and save; the folder appears under its final name only when complete. -> the number of parameters.
+    `fast`: weights drawn at once on `device` (materialize), the real architectures in bf16: for benchmarks, where
+    building fast matters and a weight's exact init does not."""
+    import torch
 
-        from demo.tiny_flow import CONFIGS, build_random_flow
+    if architecture in FLOW:
+        from demo.tiny_flow import CONFIGS, build_random_flow, shift_and_scale_vae
 
         # the real sizes in 16 bits, as published (Flux.1-dev's in float32 would take 67 GB)
         dtype = None if architecture.startswith("tiny") else torch.bfloat16
-        pipe = build_random_flow(CONFIGS[architecture](), seed, device, dtype)
+        pipe = build_random_flow(CONFIGS[architecture](), seed, device, dtype, empty=fast)
     else:
         configs = {"sd15": SD15, "sd2": SD2, "sdxl": SDXL, "tiny-sdxl": tiny_sdxl_configs(**kwargs)}.get(architecture) \
             or tiny_configs(**kwargs)
-        pipe = build_random_sd(configs, seed, device)
+        dtype = None if architecture.startswith("tiny") else torch.bfloat16
+        pipe = build_random_sd(configs, seed, device, empty=fast)
+    if fast:
+        materialize(pipe, device, dtype)
+        if architecture in FLOW and "scaling_factor" not in CONFIGS[architecture]()["vae"]:
+            shift_and_scale_vae(pipe.vae)
+        elif architecture not in FLOW and "scaling_factor" not in configs["vae"]:
+            scale_vae(pipe.vae)
     output_dir = output_dir.rstrip("/")
     tmp = output_dir + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -242,7 +300,9 @@ if __name__ == "__main__":
     parser.add_argument("--architecture", choices=list(WHAT), default="tiny", help="Which pipeline (see above).")
     parser.add_argument("--device", default="cpu", help="Where the weights are initialised (cuda: much faster).")
     parser.add_argument("--seed", type=int, default=0, help="The seed of the random weights.")
+    parser.add_argument("--fast", action="store_true", help="Draw every weight at once on --device (PyTorch's default "
+                        "init statistics, not each layer's own), the real architectures in bf16: seconds on a GPU.")
     args = parser.parse_args()
-    n = write_tiny_sd(args.output_dir, args.architecture, args.seed, args.device)
+    n = write_tiny_sd(args.output_dir, args.architecture, args.seed, args.device, fast=args.fast)
     print(f"wrote a random-init {WHAT[args.architecture]} pipeline ({args.architecture}, {n / 1e6:.2f} M "
           f"parameters) to {args.output_dir}")

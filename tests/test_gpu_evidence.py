@@ -1,11 +1,16 @@
-"""`make gpu-evidence`'s driver (tests/benchmarks/gpu_evidence.py) on the CPU with the tiny SD, so that it works on
-the day a GPU is lent: pieces in their order, a result file a piece (command, versions, device, date), a piece
-stopped past its time and recorded as such while the next one runs, a resume compared, the skip of a piece whose
-result is there, the call's budget, and one line for a missing peer script, a family train_lora.py lacks and a
-machine without CUDA. `pack`'s offline parts: the peer scripts from the nearest tag, bitsandbytes stripped."""
+"""`make gpu-evidence`'s driver (tests/benchmarks/gpu_evidence.py) on the CPU with tiny models, so that the device
+command works on the day a GPU is lent: the preflight (one line for a pack that does not fit), a model built by the fast
+builder into its RAM folder, pieces in their order, a result file a piece (command, versions, device, date, call), a
+piece stopped past its time and recorded as such while the next one runs, a resume compared, a run whose flag
+train_lora.py lacks noted and skipped, the skip of a piece whose result is there, the call's budget (a piece it cuts
+keeps its finished runs, and runs again), and one line for a missing peer script, a family train_lora.py lacks and a
+machine without CUDA. The prompt embeddings file of diffusers' Flux QLoRA script, from the tiny Flux.1. `pack`'s
+offline parts: the peer scripts from the nearest tag, bitsandbytes stripped."""
 import json
+import shutil
 import subprocess
 import sys
+import time
 import zipfile
 
 from conftest import ROOT, assert_one_line_error, offline_env
@@ -15,14 +20,17 @@ sys.path.insert(0, str(ROOT / "tests" / "benchmarks"))
 
 
 def config(tmp_path, digits, tiny_sd, device="cpu"):
-    """Five pieces: one stopped at its 3 s limit, one that trains and resumes, one whose diffusers script is missing,
-    one for a family train_lora.py lacks, one that trains."""
+    """Five pieces: one stopped at its 3 s limit, one that trains and resumes (on a model the fast builder makes, with a
+    run whose flag train_lora.py lacks), one whose diffusers script is missing, one for a family train_lora.py lacks,
+    one that trains."""
     text = f"""
 [gpu_evidence]
 data = {json.dumps(str(digits))}
 results = {json.dumps(str(tmp_path / "results"))}
 work = {json.dumps(str(tmp_path / "work"))}
+models_dir = {json.dumps(str(tmp_path / "ram"))}
 peers = {json.dumps(str(tmp_path / "no-peers"))}
+pack = {json.dumps(str(tmp_path / "no-pack"))}
 device = "{device}"
 max_piece_s = 480
 order = ["slow", "ok", "peer", "later", "fresh"]
@@ -38,7 +46,11 @@ OMP_NUM_THREADS = "1"
 
 [gpu_evidence.models.tiny]
 path = {json.dumps(str(tiny_sd))}
-build = []
+
+[gpu_evidence.models.built]
+architecture = "tiny"
+memory_gb = 0.01
+estimate_s = 20
 
 [gpu_evidence.pieces.slow]
 title = "a piece over its time"
@@ -53,14 +65,15 @@ runs = [{{id = "ours"}}, {{id = "never"}}]
 
 [gpu_evidence.pieces.ok]
 title = "a run and its resume"
-model = "tiny"
+model = "built"
 resolution = 32
 batch_size = 2
 steps = 4
 warmup = 1
 checkpoint_at = 2
 estimate_s = 30
-runs = [{{id = "adamw", args = ["--cache_latents"], resume = true}}]
+runs = [{{id = "adamw", args = ["--cache_latents"], resume = true}},
+        {{id = "later", args = ["--no_such_flag"], help_shows = "--no_such_flag"}}]
 
 [gpu_evidence.pieces.fresh]
 title = "a piece that does not fit the budget"
@@ -123,12 +136,16 @@ def test_pieces_run_in_order_record_their_results_and_are_skipped_once_there(dig
     ok = json.loads((tmp_path / "results" / "ok.json").read_text())  # ... and the next piece ran
     assert lines.index("slow: a piece over its time") < lines.index("ok: a run and its resume")
     assert ok["status"] == "done" and ok["command"].startswith("python tests/benchmarks/gpu_evidence.py run --config")
-    assert ok["machine"]["device"] == "cpu" and ok["machine"]["date"][:4] >= "2026"
+    assert ok["machine"]["device"] == "cpu" and ok["machine"]["date"][:4] >= "2026" and ok["call"] == slow["call"]
     assert ok["machine"]["versions"]["torch"] and ok["machine"]["versions"]["diffusers"]
-    (run,) = ok["runs"]
+    assert ok["model"]["path"] == str(tmp_path / "ram" / "built") and ok["model"]["build_s"] > 0  # built in RAM
+    assert (tmp_path / "ram" / "built" / "unet" / "diffusion_pytorch_model.safetensors").is_file()
+    run, later = ok["runs"]
+    assert later == {"id": "later", "error": "not available yet: train_lora.py --help shows no '--no_such_flag'"}
     assert run["command"].startswith("accelerate launch --config_file accelerate_configs/cpu.yaml")
     assert "train_lora.py" in run["command"] and "--checkpointing_steps 2" in run["command"]
     assert run["returncode"] == 0 and run["peak_memory_mb"] > 0 and run["optimizer_state_mb"] > 0
+    assert "training_peak_memory_mb" not in run  # (a GPU's alone)
     assert run["wrapper_keys"] == []
     assert run["resume"]["returncode"] == 0 and run["resume"]["exact"]  # bitwise on a CPU
     assert "--resume_from_checkpoint latest" in run["resume"]["command"]
@@ -154,6 +171,86 @@ def test_pieces_run_in_order_record_their_results_and_are_skipped_once_there(dig
             for line in report.stdout.splitlines() if line.startswith("| ")}
     assert rows["slow"][2:5] == ["timed out", ok["machine"]["date"][:10], "cpu"]
     assert rows["ok"][2] == "done" and rows["peer"][2:] == ["not run yet", "", "", "`make gpu-evidence PIECES=peer`"]
+
+
+def test_a_call_cut_by_its_budget_keeps_the_runs_that_finished(monkeypatch):
+    """Each finished run is handed on at once (to the call's --export_dir, as a result of status cut); a piece the
+    budget stops keeps what finished, and a later call runs it again, whole."""
+    import gpu_evidence
+    import torch
+
+    piece = {"runs": [{"id": "first"}, {"id": "second", "baseline": "first"}, {"id": "third"}], "steps": 4,
+             "warmup": 1, "batch_size": 1}
+    cfg = {"pieces": {"p": piece}, "work": "outputs/never", "models": {}}
+    launched = iter([{"returncode": 0, "steps_per_second": 2.0}, {"returncode": None}])
+    monkeypatch.setattr(gpu_evidence, "launch_run", lambda *args, **kwargs: dict(next(launched)))
+    seen = []
+    now = time.time()
+    outcome = gpu_evidence.run_piece(cfg, "p", torch.device("cpu"), now + 600, now + 60, None,
+                                     lambda records: seen.append([dict(r) for r in records.values()]))
+    assert outcome["status"] == "cut"
+    first, second = outcome["runs"]
+    assert first["steps_per_second"] == 2.0 and second["error"] == "stopped: the call's --budget_s ended"
+    assert seen == [[{"id": "first", "returncode": 0, "steps_per_second": 2.0}]]
+
+
+def test_a_pack_that_does_not_fit_the_machine_is_one_line(tmp_path):
+    """The preflight (seconds, nothing heavy imported): a packed wheel that is not the one that imports, a packed
+    wheel's requirement this machine does not meet, and a need of the recipes; with a pack that fits, one line that
+    says so."""
+    from gpu_evidence import installed_version
+
+    (tmp_path / "pack").mkdir()
+    cfg = tmp_path / "workloads.toml"
+    cfg.write_text(f"""[gpu_evidence]
+results = "r"
+work = "w"
+pack = {json.dumps(str(tmp_path / "pack"))}
+max_piece_s = 60
+device_needs = ["torch>=2.0"]
+pieces = {{}}
+""")
+    wheels = {"diffusers": {"version": installed_version("diffusers"), "requirements": ["safetensors>=0.3"]},
+              "peft": {"version": installed_version("peft"), "requirements": []}}
+    (tmp_path / "pack" / "manifest.json").write_text(json.dumps({"wheels": wheels}))
+    start = time.time()
+    fits = driver("preflight", "--config", cfg)
+    assert fits.returncode == 0 and fits.stdout.startswith("preflight: the pack fits (diffusers "), fits.stderr
+    assert time.time() - start < 10
+    wheels = {"diffusers": {"version": "0.1.0", "requirements": []},
+              "peft": {"version": installed_version("peft"), "requirements": ["safetensors>=99"]}}
+    (tmp_path / "pack" / "manifest.json").write_text(json.dumps({"wheels": wheels}))
+    cfg.write_text(cfg.read_text().replace("torch>=2.0", "torch>=99"))
+    line = assert_one_line_error(driver("preflight", "--config", cfg), "the pack does not fit this machine's packages")
+    assert f"diffusers 0.1.0 is packed, diffusers {installed_version('diffusers')} imports first" in line
+    assert f"peft {installed_version('peft')} needs safetensors>=99, this machine has safetensors" in line
+    assert "the recipes need torch>=99" in line
+
+
+def test_the_flux_qlora_scripts_embeddings_file(digits, tiny_flux, tmp_path):
+    """What diffusers' research_projects/flux_lora_quantization/compute_embeddings.py writes, from a local Flux.1 and
+    image folder: one row per image, keyed by the sha256 of its pixels as the training script looks it up, with the
+    prompt embeddings at 77 tokens, the pooled embedding and the text ids, flattened."""
+    from argparse import Namespace
+
+    import gpu_evidence
+    import pandas as pd
+    from datasets import load_dataset
+    from huggingface_hub.utils import insecure_hashlib
+
+    data = tmp_path / "data"
+    (data / "train").mkdir(parents=True)
+    rows = [json.loads(line) for line in (digits / "train" / "metadata.jsonl").read_text().splitlines()[:3]]
+    for row in rows:
+        shutil.copy(digits / "train" / row["file_name"], data / "train" / row["file_name"])
+    (data / "train" / "metadata.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    out = tmp_path / "embeddings.parquet"
+    gpu_evidence.flux_embeddings(Namespace(model=str(tiny_flux), data=str(data), output=str(out)))
+    frame = pd.read_parquet(out)
+    images = load_dataset("imagefolder", data_dir=str(data), split="train")
+    assert list(frame["image_hash"]) == [insecure_hashlib.sha256(i["image"].tobytes()).hexdigest() for i in images]
+    width = json.loads((tiny_flux / "text_encoder_2" / "config.json").read_text())["d_model"]
+    assert [len(frame[c][0]) for c in ("prompt_embeds", "text_ids")] == [77 * width, 77 * 3]
 
 
 def test_no_cuda_device_is_one_line(digits, tiny_sd, tmp_path):

@@ -1,22 +1,29 @@
-"""`make gpu-evidence`: every GPU claim of the docs measured on one GPU, in pieces of at most 8 minutes. Each piece
-writes its own result (tests/benchmarks/results/gpu-evidence/<piece>.json: the runs' exact commands, the versions, the
-device, the date) and is skipped while that file is there, so that a lease that ends early resumes where it stopped.
+"""`make gpu-evidence`: the docs' GPU claims measured on one GPU by one device command of at most 9 minutes, which takes
+the pieces in their value order (workloads.toml's `order`) while its budget allows. Each piece writes its result
+(tests/benchmarks/results/gpu-evidence/<piece>.json: the runs' exact commands, the versions, the device, the date, the
+call), and each finished run's result goes to the call's --export_dir as it ends, so a call cut short keeps what
+finished. A piece is skipped while its result is there; one cut short runs again, whole, in a later call: a run is
+compared only with runs of the same call on the same GPU.
 
-    python tests/benchmarks/gpu_evidence.py run [--pieces a1,c] [--budget_s 540] [--export_dir DIR] [--rerun]
+    python tests/benchmarks/gpu_evidence.py run [--pieces a-eager,c-engines] [--budget_s 510] [--export_dir DIR]
+    python tests/benchmarks/gpu_evidence.py preflight  # the pack against this machine's packages, in seconds
     python tests/benchmarks/gpu_evidence.py take DIR  # the results a device call brought back, into the results
     python tests/benchmarks/gpu_evidence.py list      # each piece: its result (date, device) or none yet
     python tests/benchmarks/gpu_evidence.py report    # the markdown of docs/performance.md's GPU evidence
     python tests/benchmarks/gpu_evidence.py pack --diffusers_repo PATH   # `make gpu-evidence-pack`
 
 The pieces and their settings are workloads.toml's [gpu_evidence] tables: a. SD 1.5 against diffusers'
-train_text_to_image_lora.py, eager and compiled; b. SDXL against train_text_to_image_lora_sdxl.py; c. the optimizers;
-d. DeepSpeed ZeRO-2/3 and FSDP on one GPU; e. Flux.1 and SD3 (once train_lora.py has them). The models are the real
-architectures with random weights, built offline from their public configs (demo/tiny_sd.py). Each training run is
-launched as users launch it (`accelerate launch --config_file ...`) through peak_memory.py, which measures our
-scripts and diffusers' the same way; steady-state steps/s comes from the run's progress bar (make bench's timing),
-the whole run from launch to exit. A run that needs something this machine lacks (no CUDA device, a package, a peer
-script, a model's build) is one line, and the other pieces run. A piece that outlasts its time is stopped and
-recorded as such; with --budget_s, a piece that would not end within the budget is left for the next call.
+train_text_to_image_lora.py, eager, then compiled; b. FLUX.1-dev's architecture at 1024 px in bf16, bf16 + block swap,
+nf4 + block swap, fp8 + block swap against diffusers' QLoRA script; c. SDXL, the optimizers, DeepSpeed and FSDP on one
+GPU; e. SD3. The models are the real architectures with random weights, built on the GPU in bf16 with every weight
+drawn at once (`python -m demo.tiny_sd --fast`: seconds) into RAM (/dev/shm), never written to disk. Each training run
+is launched as users launch it (`accelerate launch --config_file ...`) through peak_memory.py, which measures our
+scripts and diffusers' the same way; steady-state steps/s comes from the run's progress bar (make bench's timing), the
+whole run from launch to exit. A run that needs something this machine lacks (no CUDA device, a package, a peer script,
+a flag train_lora.py does not have yet) is one line, and the others run. A piece that outlasts its time is stopped and
+recorded as such; with --budget_s, a piece that would not end within the budget is left for the next call. Before any
+of it, when a pack is there (`make gpu-evidence-pack`: .gpu-pack/manifest.json), the preflight checks it against the
+machine's packages and stops in one line when they do not fit.
 
 `pack` (on a machine with the network): the wheels a GPU machine without one lacks, for its Python, and diffusers'
 peer scripts at the pinned version, into .gpu-pack/ (ignored by git), then what a device call would carry in all.
@@ -222,10 +229,10 @@ def piece_problem(cfg, pid):
         return f"not available yet: train_lora.py has no {piece.get('family', pid)} family"
     if not piece["runs"]:
         return f"not available yet: its runs are not filled in (workloads.toml, [gpu_evidence.pieces.{pid}])"
-    model = cfg["models"][piece["model"]]
-    if not model["build"] and not built(model):
-        return f"not available yet: no build for the model {piece['model']} (workloads.toml, [gpu_evidence.models])"
-    packages = list(dict.fromkeys([*cfg["packages"], *(p for r in piece["runs"] for p in r.get("packages", ()))]))
+    if "architecture" not in cfg["models"][piece["model"]] and not built(cfg, piece["model"]):
+        return f"not available yet: no model {piece['model']} (workloads.toml, [gpu_evidence.models])"
+    packages = list(dict.fromkeys([*cfg["packages"], *(p for r in piece["runs"] if not run_problem(r)
+                                                        for p in r.get("packages", ()))]))
     missing = [problem for problem in map(import_problem, packages) if problem]
     peers = sorted({r["peer"] for r in piece["runs"] if "peer" in r})
     missing += [f"diffusers' {peer} is not in {cfg['peers']}" for peer in peers
@@ -235,8 +242,35 @@ def piece_problem(cfg, pid):
     return None
 
 
-def built(model):
-    return os.path.isfile(os.path.join(at_root(model["path"]), "model_index.json"))
+def model_path(cfg, name):
+    """Where model `name` is: its `path`, or (an `architecture` to build) in `models_dir`, RAM, when that has room for
+    it, else in the work folder (on disk)."""
+    model = cfg["models"][name]
+    if "path" in model:
+        return at_root(model["path"])
+    ram = at_root(cfg["models_dir"])
+    there = os.path.join(ram, name)
+    if built_at(there):
+        return there
+    os.makedirs(ram, exist_ok=True)
+    need = model.get("memory_gb", 0) * 1e9
+    held = sum(folder_bytes(os.path.join(ram, m)) for m in os.listdir(ram))
+    return there if shutil.disk_usage(ram).free + held >= need else os.path.join(at_root(cfg["work"]), "models", name)
+
+
+def built_at(path):
+    return os.path.isfile(os.path.join(path, "model_index.json"))
+
+
+def built(cfg, name):
+    return built_at(model_path(cfg, name))
+
+
+def run_problem(run):
+    """Why a run of a piece cannot run with this train_lora.py (a flag it does not have yet), or None."""
+    if "help_shows" in run and "peer" not in run and not re.search(run["help_shows"], recipe_help()):
+        return f"not available yet: train_lora.py --help shows no {run['help_shows']!r}"
+    return None
 
 
 def ensure_data(cfg):
@@ -252,36 +286,47 @@ def ensure_data(cfg):
     return path
 
 
-def free_disk_for(cfg, name, keep):
-    """Room for model `name`: the other built models that no pending piece needs go first."""
-    need = cfg["models"][name].get("disk_gb", 0) * 1e9
+def free_room_for(cfg, name, keep):
+    """Room for model `name` beside it: the other built models that no pending piece needs go first."""
+    path = model_path(cfg, name)
+    need = cfg["models"][name].get("memory_gb", 0) * 1e9
     for other, model in cfg["models"].items():
-        if shutil.disk_usage(ROOT).free >= need:
+        if shutil.disk_usage(os.path.dirname(path)).free >= need:
             break
-        if other != name and other not in keep and built(model):
-            shutil.rmtree(at_root(model["path"]))
-            print(f"removed the model {other} ({model['path']}) for room: no pending piece needs it", flush=True)
-    free = shutil.disk_usage(ROOT).free
-    return None if free >= need else f"the model {name} needs about {need / 1e9:.0f} GB on disk, {free / 1e9:.0f} free"
+        if other != name and other not in keep and "architecture" in model and built(cfg, other):
+            shutil.rmtree(model_path(cfg, other))
+            print(f"removed the model {other} for room: no pending piece needs it", flush=True)
+    free = shutil.disk_usage(os.path.dirname(path)).free
+    return None if free >= need else \
+        f"the model {name} needs about {need / 1e9:.0f} GB in {os.path.dirname(path)}, {free / 1e9:.0f} free"
 
 
 def ensure_model(cfg, name, device, keep, timeout):
-    """-> None when models/<name> is there (built now if need be), else why not, in one line."""
+    """-> (None, build seconds or None when it was there) when the model is there (built now if need be), else (why
+    not, in one line, None). A build draws every weight at once on the device, in bf16 (demo/tiny_sd.py --fast)."""
     model = cfg["models"][name]
-    if built(model):
-        return None
-    short = free_disk_for(cfg, name, keep)
+    if built(cfg, name):
+        return None, None
+    if "architecture" not in model:
+        return f"the model {name} is not at {model_path(cfg, name)} (workloads.toml [gpu_evidence.models])", None
+    os.makedirs(os.path.dirname(model_path(cfg, name)), exist_ok=True)
+    short = free_room_for(cfg, name, keep)
     if short:
-        return short
-    cmd = [sys.executable, *(a.format(device=device.type, path=at_root(model["path"])) for a in model["build"])]
+        return short, None
+    path = model_path(cfg, name)
+    if not path.startswith(at_root(cfg["models_dir"])):
+        print(f"the model {name} goes to the disk ({path}): {cfg['models_dir']} lacks room for it", flush=True)
+    cmd = [sys.executable, "-m", "demo.tiny_sd", "--architecture", model["architecture"], "--device", device.type,
+           "--fast", "--output_dir", path]
     log = os.path.join(at_root(cfg["work"]), "logs", f"model-{name}.log")
+    os.makedirs(os.path.dirname(log), exist_ok=True)
     print(f"building the model {name}: {shown(cmd)}", flush=True)
     rc, wall, _ = run_bench.stream_timed(cmd, os.environ.copy(), log, timeout=timeout)
-    if rc != 0 or not built(model):
+    if rc != 0 or not built_at(path):
         why = "it outlasted the time left" if rc is None else f"exit code {rc}: {last_line(log)}"
-        return f"building the model {name} failed ({why}; log: {rel(log)})"
-    print(f"built the model {name} in {wall:.0f} s", flush=True)
-    return None
+        return f"building the model {name} failed ({why}; log: {rel(log)})", None
+    print(f"built the model {name} in {wall:.0f} s: {path}", flush=True)
+    return None, round(wall, 1)
 
 
 def log_tail(log, lines=40):
@@ -335,8 +380,9 @@ def run_command(cfg, piece, run, out, extra=()):
     data_args = run.get("data_args") or piece.get("data_args") or ["--train_data_dir", "{data}"]
     args = [*data_args, *piece.get("common", cfg["common"]), *piece.get("args", ()), *run.get("args", ())]
     return [*run_bench.accelerate_cli(), *(run.get("launch") or cfg["launch"]), *run.get("launch_args", ()),
-            PEAK_WRAPPER, script, "--pretrained_model_name_or_path", at_root(cfg["models"][piece["model"]]["path"]),
-            *(a.replace("{data}", piece_data(cfg, piece)) for a in args),
+            PEAK_WRAPPER, script, "--pretrained_model_name_or_path", model_path(cfg, piece["model"]),
+            *(a.replace("{data}", piece_data(cfg, piece)).replace("{embeddings}", embeddings_file(cfg, piece))
+              for a in args),
             "--resolution", str(piece["resolution"]), "--train_batch_size", str(piece["batch_size"]),
             "--max_train_steps", str(piece["steps"]), *checkpoints, "--output_dir", out, *extra]
 
@@ -351,6 +397,8 @@ def launch_run(cfg, pid, piece, run, out, timeout, extra=(), tag=""):
     cmd = run_command(cfg, piece, run, out, extra)
     env = dict(os.environ, **cfg.get("env", {}), PEAK_MEMORY_FILE=peak_file)
     env.pop("TQDM_DISABLE", None)  # the progress bar is what the run is timed by
+    if "dataset_alias" in run:  # a peer script that names a hub dataset: the piece's images instead (peak_memory.py)
+        env["DATASET_ALIASES"] = json.dumps({run["dataset_alias"]: piece_data(cfg, piece)})
     log = os.path.join(at_root(cfg["work"]), "logs", f"{pid}-{run['id']}{tag}.log")
     os.makedirs(os.path.dirname(log), exist_ok=True)
     print(f"{pid}: {run['id']}{tag}: {shown(cmd)}", flush=True)
@@ -367,8 +415,58 @@ def launch_run(cfg, pid, piece, run, out, timeout, extra=(), tag=""):
                       timed_steps=timed["timed_steps"])
     if os.path.isfile(peak_file):
         with open(peak_file) as f:
-            record["peak_memory_mb"] = json.load(f)["peak_memory_mb"]
+            peaks = json.load(f)
+        record["peak_memory_mb"] = peaks["peak_memory_mb"]
+        if peaks.get("training_peak_memory_mb") is not None:
+            record["training_peak_memory_mb"] = peaks["training_peak_memory_mb"]
     return record
+
+
+def embeddings_file(cfg, piece):
+    return os.path.join(at_root(cfg["work"]), f"embeddings-{piece['model']}-{piece.get('data_images', 'all')}.parquet")
+
+
+def prepare(cfg, pid, piece, run, timeout):
+    """What a run needs made first, once a piece: `flux_embeddings`, the prompt embeddings file diffusers' QLoRA
+    script reads (its compute_embeddings.py fetches FLUX.1-dev and a dataset from the hub: the same computation here,
+    on the local model and the piece's images). -> None, or why it failed (one line)."""
+    if run.get("prepare") != "flux_embeddings" or os.path.isfile(embeddings_file(cfg, piece)):
+        return None
+    cmd = [sys.executable, os.path.abspath(__file__), "embeddings", "--model", model_path(cfg, piece["model"]),
+           "--data", piece_data(cfg, piece), "--output", embeddings_file(cfg, piece)]
+    log = os.path.join(at_root(cfg["work"]), "logs", f"{pid}-{run['id']}-embeddings.log")
+    print(f"{pid}: {run['id']}: the prompt embeddings: {shown(cmd)}", flush=True)
+    rc, wall, _ = run_bench.stream_timed(cmd, dict(os.environ, **cfg.get("env", {})), log, timeout=max(timeout, 1))
+    if rc != 0:
+        return "stopped: out of time" if rc is None else f"the prompt embeddings failed: {last_line(log)}"
+    print(f"{pid}: {run['id']}: the prompt embeddings in {wall:.0f} s", flush=True)
+    return None
+
+
+def flux_embeddings(args):
+    """The parquet file of diffusers' research_projects/flux_lora_quantization/compute_embeddings.py, from the local
+    model and images: per image (by the sha256 of its pixels, as the training script looks it up), FluxPipeline's
+    encode_prompt of its caption at 77 tokens, flattened."""
+    import pandas as pd
+    import torch
+    from datasets import load_dataset
+    from diffusers import FluxPipeline
+    from huggingface_hub.utils import insecure_hashlib
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    pipe = FluxPipeline.from_pretrained(args.model, transformer=None, vae=None, torch_dtype=torch.bfloat16).to(device)
+    rows = []
+    with torch.no_grad():
+        for sample in load_dataset("imagefolder", data_dir=args.data, split="train"):
+            embeds, pooled, text_ids = pipe.encode_prompt(prompt=sample["text"], prompt_2=None, max_sequence_length=77)
+            rows.append((insecure_hashlib.sha256(sample["image"].tobytes()).hexdigest(),
+                         *(x.float().cpu().numpy().flatten().tolist() for x in (embeds, pooled, text_ids))))
+    frame = pd.DataFrame(rows, columns=["image_hash", "prompt_embeds", "pooled_prompt_embeds", "text_ids"])
+    os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
+    frame.to_parquet(args.output + ".tmp.parquet")
+    os.replace(args.output + ".tmp.parquet", args.output)
+    print(f"{len(rows)} images' prompt embeddings: {args.output}")
+    return 0
 
 
 def lora_file(out):
@@ -492,7 +590,7 @@ def step_flops(cfg, piece, device):
         from diffusers import DDPMScheduler
         from torch.utils.flop_counter import FlopCounterMode
 
-        base = at_root(cfg["models"][piece["model"]]["path"])
+        base = model_path(cfg, piece["model"])
         unet = gpu_lora.load_lora_unet(base, "bf16", device, rank=8, targets=cfg["lora_targets"])
         step = gpu_lora.reference_step(unet, DDPMScheduler.from_pretrained(base, subfolder="scheduler"),
                                        piece["batch_size"], "bf16", device)
@@ -505,12 +603,16 @@ def step_flops(cfg, piece, device):
     return _flops[key]
 
 
+CALL = datetime.datetime.now().astimezone().isoformat(timespec="seconds")  # this call: no baseline from another
+
+
 def baseline_of(cfg, pid, records, ref):
-    """The steps/s of run `ref`: this piece's, or "piece/run" from that piece's stored result."""
+    """The steps/s of run `ref`: this piece's, or "piece/run" from that piece's result if this same call wrote it (a
+    baseline never comes from another call, which may be another GPU)."""
     other, _, rid = ref.rpartition("/")
     if other and other != pid:
         result = stored_result(cfg, other)
-        records = {r["id"]: r for r in result["runs"]} if result else {}
+        records = {r["id"]: r for r in result["runs"]} if result and result.get("call") == CALL else {}
     return (records.get(rid) or {}).get("steps_per_second")
 
 
@@ -525,23 +627,36 @@ def check(record, key, fn, *args):
         return False
 
 
-def run_piece(cfg, pid, device, piece_deadline, budget_deadline, flops):
-    """Every run of the piece while time is left. -> the result (status done, failed or timed_out), or None when the
-    call's budget (not the piece's own limit) stopped it: nothing recorded, the piece runs again next call."""
+def run_piece(cfg, pid, device, piece_deadline, budget_deadline, flops, progress=None):
+    """Every run of the piece while time is left; `progress(records)` after each (the runs that finished, for a call
+    that may be cut). -> the result (status done, failed or timed_out), or None when the call's budget (not the
+    piece's own limit) stopped it: then a later call runs it again."""
     piece = cfg["pieces"][pid]
     deadline, by_budget = min(piece_deadline, budget_deadline), budget_deadline < piece_deadline
     work = os.path.join(at_root(cfg["work"]), pid)
     records, status = {}, "done"
     for run in piece["runs"]:
+        if progress and records:
+            progress(records)
         record = records[run["id"]] = {"id": run["id"]}
+        problem = run_problem(run)
+        if problem:
+            record["error"] = problem
+            print(f"{pid}: {run['id']}: not run: {problem}", flush=True)
+            continue
         if time.time() >= deadline:
             record["error"] = "not run: the piece was out of time"
+            continue
+        problem = prepare(cfg, pid, piece, run, deadline - time.time())
+        if problem:
+            record.update(error=problem, returncode=None if problem.startswith("stopped") else 1)
+            status = "timed_out" if record["returncode"] is None else "failed"
             continue
         out = os.path.join(work, run["id"])
         record.update(launch_run(cfg, pid, piece, run, out, deadline - time.time()))
         if record["returncode"] is None:
             if by_budget:
-                return None
+                return cut(cfg, pid, device, records, flops)
             status = "timed_out"
             continue
         if record["returncode"] != 0:
@@ -565,7 +680,7 @@ def run_piece(cfg, pid, device, piece_deadline, budget_deadline, flops):
                                extra=["--resume_from_checkpoint", "latest"], tag="-resumed")
             record["resume"] = {k: again.get(k) for k in ("command", "returncode", "wall_s", "error", "log_tail")}
             if again["returncode"] is None and by_budget:
-                return None
+                return cut(cfg, pid, device, records, flops)
             if again["returncode"] == 0:
                 diff = {}
                 ok &= check(diff, "max_abs_diff", compare_loras, out, resumed)
@@ -576,18 +691,34 @@ def run_piece(cfg, pid, device, piece_deadline, budget_deadline, flops):
             last = os.path.join(out, f"checkpoint-{piece['steps']}")
             ok &= check(record, "engine", engine_check, out, last, run["engine_state"])
         if run.get("load_check"):
-            ok &= check(record, "load", load_check, at_root(cfg["models"][piece["model"]]["path"]), out)
+            ok &= check(record, "load", load_check, model_path(cfg, piece["model"]), out)
         if not ok and status == "done":
             status = "failed"
+    ratios(cfg, pid, device, records, flops)
+    return {"status": status, "runs": list(records.values())}
+
+
+def cut(cfg, pid, device, records, flops):
+    """The piece stopped by the call's budget: what finished, as a result of status cut (run again next call)."""
+    for record in records.values():
+        if record.get("returncode", 0) is None:
+            record["error"] = "stopped: the call's --budget_s ended"
+    ratios(cfg, pid, device, records, flops)
+    return {"status": "cut", "runs": list(records.values())}
+
+
+def ratios(cfg, pid, device, records, flops):
+    """Each run's MFU and its speed against its baseline (of this piece, or of a piece run in this same call)."""
     peak = device.type == "cuda" and gpu_lora.peak_tflops(torch_device_name(device))
-    for run in piece["runs"]:
-        record = records[run["id"]]
+    for run in cfg["pieces"][pid]["runs"]:
+        record = records.get(run["id"])
+        if record is None:
+            continue
         if flops and record.get("steps_per_second") and peak:
             record["mfu"] = flops * record["steps_per_second"] / (peak * 1e12)
         base = run.get("baseline") and baseline_of(cfg, pid, records, run["baseline"])
         if base and record.get("steps_per_second"):
             record["ratio_to_baseline"] = record["steps_per_second"] / base
-    return {"status": status, "runs": list(records.values())}
 
 
 def torch_device_name(device):
@@ -633,12 +764,15 @@ def table(result):
     def num(x, fmt):
         return "-" if x is None else format(x, fmt)
 
-    rows = [[r["id"], num(r.get("steps_per_second"), ".2f"), num(r.get("ratio_to_baseline"), ".2f"),
-             num(r.get("samples_per_second"), ".1f"), num(r.get("wall_s"), ".0f"), num(r.get("first_step_s"), ".0f"),
+    rows = [[r["id"], num(r.get("steps_per_second"), ".2f"), num(r.get("steps_per_second") and
+                                                                 1 / r["steps_per_second"], ".2f"),
+             num(r.get("ratio_to_baseline"), ".2f"), num(r.get("samples_per_second"), ".1f"),
+             num(r.get("wall_s"), ".0f"), num(r.get("first_step_s"), ".0f"),
              num(r.get("peak_memory_mb") and r["peak_memory_mb"] / 1024, ".2f"),
+             num(r.get("training_peak_memory_mb") and r["training_peak_memory_mb"] / 1024, ".2f"),
              "-" if r.get("mfu") is None else f"{100 * r['mfu']:.1f} %", checks_text(r)] for r in result["runs"]]
-    return run_bench.markdown_table(["run", "steps/s", "vs baseline", "samples/s", "whole run s", "first step s",
-                                     "peak GiB", "MFU", "checks"], rows)
+    return run_bench.markdown_table(["run", "steps/s", "s/step", "vs baseline", "samples/s", "whole run s",
+                                     "first step s", "peak GiB", "training peak GiB", "MFU", "checks"], rows)
 
 
 # ---- run: the pieces in order --------------------------------------------------------------------------------
@@ -654,7 +788,7 @@ def run_pieces(args):
     start = time.time()
     budget_deadline = start + args.budget_s if args.budget_s else float("inf")
     done = {p: stored_result(cfg, p) for p in order}
-    pending = [p for p in order if args.rerun or done[p] is None]
+    pending = [p for p in order if args.rerun or done[p] is None or done[p]["status"] == "cut"]
     for pid in order:
         if pid not in pending:
             r = done[pid]
@@ -664,6 +798,12 @@ def run_pieces(args):
         print("gpu-evidence: every piece asked for has its result")
         return 0
 
+    problems = preflight_problems(cfg, essential_only=True)
+    if problems:
+        raise UserError(preflight_error(problems))
+    others = preflight_problems(cfg)
+    if others:  # (a piece that needs such a package says so in one line, and the others run)
+        print(f"preflight: {'; '.join(others)}: the pieces that need these will not run", flush=True)
     import torch
 
     device = torch.device(cfg.get("device", "cuda"))
@@ -689,16 +829,17 @@ def run_pieces(args):
     for i, pid in enumerate(runnable):
         piece = cfg["pieces"][pid]
         model = cfg["models"][piece["model"]]
-        need = piece["estimate_s"] + (0 if built(model) else model.get("estimate_s", 0))
+        there = built(cfg, piece["model"])
+        need = piece["estimate_s"] + (0 if there else model.get("estimate_s", 0))
         remaining = budget_deadline - time.time()
         if remaining < need:
             left.append(pid)
             print(f"{pid}: left for the next call: it takes about {need} s"
-                  f"{'' if built(model) else ' with its model build'}, {remaining:.0f} s of --budget_s left",
-                  flush=True)
+                  f"{'' if there else ' with its model build'}, {remaining:.0f} s of --budget_s left", flush=True)
             continue
         keep = {cfg["pieces"][p]["model"] for p in runnable[i:]}
-        problem = ensure_model(cfg, piece["model"], device, keep, min(remaining, 2 * model.get("estimate_s", 600)))
+        problem, build_s = ensure_model(cfg, piece["model"], device, keep,
+                                        min(remaining, 3 * model.get("estimate_s", 200)))
         if problem:
             not_run[pid] = problem
             print(f"{pid}: not run: {problem}", flush=True)
@@ -718,19 +859,29 @@ def run_pieces(args):
             except Exception as err:  # the runs are the evidence: go on without the MFU
                 print(f"{pid}: no MFU: counting the step's FLOPs failed ({type(err).__name__}: {err})"[:400],
                       flush=True)
-        outcome = run_piece(cfg, pid, device, deadline, budget_deadline, flops)
+        def result_of(status, runs):
+            result = {"piece": pid, "title": piece["title"], "status": status, "machine": facts, "call": CALL,
+                      "command": args.command, "settings": {k: v for k, v in piece.items() if k != "runs"},
+                      "common": piece.get("common", cfg["common"]), "peers_source": peers_source,
+                      "flops_per_step": flops, "model": {"path": model_path(cfg, piece["model"]), "build_s": build_s},
+                      "wall_s": round(time.time() - piece_start, 1), "runs": runs}
+            result["table"] = table(result)
+            return result
+
+        def progress(records):  # each finished run kept at once, in case the call is cut: a result of status cut
+            ratios(cfg, pid, device, records, flops)
+            save_result(cfg, pid, result_of("cut", [dict(r) for r in records.values()]), args.export_dir)
+
+        outcome = run_piece(cfg, pid, device, deadline, budget_deadline, flops, progress)
         if not args.keep_outputs:
             shutil.rmtree(os.path.join(at_root(cfg["work"]), pid), ignore_errors=True)
-        if outcome is None:
-            left.append(pid)
-            print(f"{pid}: stopped at the end of --budget_s; not recorded: it runs again next call", flush=True)
-            continue
-        result = {"piece": pid, "title": piece["title"], "status": outcome["status"], "machine": facts,
-                  "command": args.command, "settings": {k: v for k, v in piece.items() if k != "runs"},
-                  "common": piece.get("common", cfg["common"]), "peers_source": peers_source, "flops_per_step": flops,
-                  "wall_s": round(time.time() - piece_start, 1), "runs": outcome["runs"]}
-        result["table"] = table(result)
+        result = result_of(outcome["status"], outcome["runs"])
         written.append(save_result(cfg, pid, result, args.export_dir))
+        if outcome["status"] == "cut":
+            left.append(pid)
+            print(f"{pid}: stopped at the end of --budget_s; what finished is kept (status cut), and the piece runs "
+                  f"again, whole, next call:\n{result['table']}", flush=True)
+            continue
         print(f"{pid}: {outcome['status']} in {result['wall_s']:.0f} s: {rel(written[-1])}\n{result['table']}",
               flush=True)
     return finish(not_run, left, written)
@@ -741,6 +892,73 @@ def finish(not_run, left, written):
           + (f"; left for the next call: {', '.join(left)}" if left else "")
           + (f"; not run: {', '.join(not_run)} (why: above)" if not_run else ""), flush=True)
     return 1 if any(not why.startswith("not available yet") for why in not_run.values()) else 0
+
+
+# ---- preflight: the pack against the machine's packages ------------------------------------------------------
+
+
+def pack_manifest(cfg):
+    path = os.path.join(at_root(cfg["pack"]), "manifest.json")
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def unmet(requirement, who):
+    """Why `requirement` (a string) is not met by the version that imports first here, or None. `who`: "X needs"."""
+    from packaging.requirements import Requirement
+
+    req = Requirement(requirement)
+    if req.marker is not None and not req.marker.evaluate({"extra": ""}):
+        return None  # (not for this Python or platform)
+    have = installed_version(req.name)
+    if have is None:
+        return f"{who} {req}: not installed"
+    if req.specifier and not req.specifier.contains(have, prereleases=True):
+        return f"{who} {req}, this machine has {req.name} {have}"
+    return None
+
+
+def preflight_problems(cfg, essential_only=False):
+    """-> [problem, ...] (one line each), in about a second, nothing imported: each wheel of the pack
+    (.gpu-pack/manifest.json) installed at its version and first on the path (the device call's pip line puts it
+    there), what each needs met by what this machine has (its own packages or packed ones), and the recipes' own
+    needs of the machine's packages (workloads.toml's device_needs). Without a pack, the last only. `essential_only`:
+    the problems of what every piece needs (`packages`, device_needs); the others stop only the pieces that need
+    their package (each piece checks its imports)."""
+    problems = []
+    pack = pack_manifest(cfg)
+    essential = {canonical(p) for p in cfg.get("packages", ())}
+    for name, wheel in (pack or {}).get("wheels", {}).items():
+        if essential_only and canonical(name) not in essential:
+            continue
+        have = installed_version(name)
+        if have != wheel["version"]:
+            problems.append(f"{name} {wheel['version']} is packed, " + (f"{name} {have} imports first" if have else
+                                                                        "not installed"))
+            continue
+        problems += [why for why in (unmet(r, f"{name} {have} needs") for r in wheel["requirements"]) if why]
+    problems += [why for why in (unmet(r, "the recipes need") for r in cfg.get("device_needs", ())) if why]
+    return problems
+
+
+def preflight_error(problems):
+    return (f"the pack does not fit this machine's packages ({'; '.join(problems)}): install the pack first (the "
+            "device call's pip line), or pack versions that fit (`make gpu-evidence-pack`; the machine's packages: "
+            "/work/.library/device/KINDS.md)")
+
+
+def preflight(args):
+    cfg = load_config(args.config)
+    problems = preflight_problems(cfg)
+    if problems:
+        raise UserError(preflight_error(problems))
+    pack = pack_manifest(cfg)
+    wheels = ", ".join(f"{n} {w['version']}" for n, w in sorted((pack or {}).get("wheels", {}).items()))
+    have = ", ".join(f"{n} {installed_version(n)}" for n in ("torch", "accelerate", "transformers", "peft"))
+    print(f"preflight: {'the pack fits (' + wheels + ')' if pack else 'no pack here'}; this machine: {have}")
+    return 0
 
 
 # ---- list, report --------------------------------------------------------------------------------------------
@@ -834,7 +1052,8 @@ PINS = {"hjson": "3.1.0"}
 FROM_SOURCE = ("deepspeed",)
 PEERS = ("examples/text_to_image/train_text_to_image_lora.py",
          "examples/text_to_image/train_text_to_image_lora_sdxl.py",
-         "examples/dreambooth/train_dreambooth_lora_flux.py", "examples/dreambooth/train_dreambooth_lora_sd3.py")
+         "examples/dreambooth/train_dreambooth_lora_flux.py", "examples/dreambooth/train_dreambooth_lora_sd3.py",
+         "examples/research_projects/flux_lora_quantization/train_dreambooth_lora_flux_miniature.py")
 
 
 def pinned(requirements, package):
@@ -1058,7 +1277,8 @@ def parse_args(argv=None):
     go.add_argument("--pieces", default=None, help="Comma-separated pieces (default: every one, in workloads.toml's "
                     "order).")
     go.add_argument("--budget_s", type=float, default=None, help="Start no piece (or model build) that would not end "
-                    "within this many seconds of the start: for a device call's 10 minutes, 540.")
+                    "within this many seconds of the start, and stop the one running at its end: for a device "
+                    "command of 9 minutes, 510 (the pack's install and the preflight take the rest).")
     go.add_argument("--export_dir", default=None, help=f"Also write {BUNDLE} here: every result this machine has "
                     "written (a device call's $OUT; `take` reads it back).")
     go.add_argument("--rerun", action="store_true", help="Run the pieces again even where their result is there.")
@@ -1067,6 +1287,11 @@ def parse_args(argv=None):
     pk = commands.add_parser("pack", help="Wheels and diffusers' peer scripts for a GPU machine without the network.")
     pk.add_argument("--diffusers_repo", required=True, help="A clone of diffusers' repository (bare or not).")
     pk.add_argument("--pack_dir", default=PACK_DIR, help="Where (ignored by git).")
+    commands.add_parser("preflight", help="The pack against this machine's packages (`run` does it first).")
+    em = commands.add_parser("embeddings", help="The prompt embeddings file of diffusers' Flux QLoRA script.")
+    em.add_argument("--model", required=True, help="A FluxPipeline folder.")
+    em.add_argument("--data", required=True, help="An imagefolder with a text column.")
+    em.add_argument("--output", required=True, help="The parquet file to write.")
     tk = commands.add_parser("take", help="Write the results a device call brought back into the results folder.")
     tk.add_argument("source", help=f"The call's files folder (with {BUNDLE}), or that file.")
     commands.add_parser("list", help="Each piece: its result, or none yet.")
@@ -1079,7 +1304,8 @@ def parse_args(argv=None):
 
 
 def main(args):
-    code = {"run": run_pieces, "pack": pack, "take": take, "list": list_pieces, "report": report}[args.what](args)
+    code = {"run": run_pieces, "pack": pack, "take": take, "list": list_pieces, "report": report,
+            "preflight": preflight, "embeddings": flux_embeddings}[args.what](args)
     if code:
         raise SystemExit(code)
 

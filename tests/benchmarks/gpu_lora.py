@@ -260,10 +260,15 @@ def main():
     if not os.path.isdir(base):
         from demo.tiny_sd import write_tiny_sd
 
-        start = time.perf_counter()
-        n = write_tiny_sd(base, g.get("architecture", "sd15"), device=args.device)
+        start = time.perf_counter()  # (every weight drawn at once on the device, bf16: seconds on a GPU)
+        n = write_tiny_sd(base, g.get("architecture", "sd15"), device=args.device, fast=args.device != "cpu")
         print(f"built the random-init {g.get('architecture', 'sd15')} architecture ({n / 1e6:.0f} M parameters) in "
               f"{time.perf_counter() - start:.0f} s: {base}", flush=True)
+    data = g["args"][g["args"].index("--train_data_dir") + 1]
+    if not os.path.isfile(os.path.join(ROOT, data, "train", "metadata.jsonl")):  # (no `make data`: no install step)
+        from demo.digits import write_digits
+
+        write_digits(os.path.join(ROOT, data))
     root = os.path.dirname(os.path.abspath(args.output))  # the recipes' output folders and logs: beside it
     os.makedirs(os.path.join(root, "logs"), exist_ok=True)
     env = dict(os.environ, **g["env"])
