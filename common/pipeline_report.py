@@ -72,9 +72,10 @@ def describe(pipe, labels, args):
     if vae is not None:
         c, factor = vae.config, pipe.vae_scale_factor
         report["vae"] = {"class": type(vae).__name__, **pick(c, ["scaling_factor", "shift_factor", "latent_channels",
-                                                                 "block_out_channels"]),
+                                                                 "z_dim", "block_out_channels"]),
                          "downsampling_factor": factor, "image_shape": [args.num_images, 3, height, width],
-                         "latent_shape": [args.num_images, c.latent_channels, height // factor, width // factor]}
+                         "latent_shape": [args.num_images, c.get("latent_channels") or c.get("z_dim"),  # (3-D VAEs)
+                                          height // factor, width // factor]}
         family = pipeline_family(pipe)
         if family is not None and hasattr(family, "packed_shape"):  # Flux: the transformer sees 2 x 2 patches
             report["vae"]["packed_latent_shape"] = family.packed_shape(report["vae"]["latent_shape"])

@@ -88,9 +88,11 @@ def watch_denoiser(rec, unet, scheduler, trajectory_steps, name="unet"):
             inputs["encoder_hidden_states"] = shape(cond)
         for key, value in (kw.get("added_cond_kwargs") or {}).items():  # SDXL: the pooled text_embeds, time_ids
             inputs[key] = shape(value)
-        for key in ("pooled_projections", "txt_ids", "img_ids"):  # SD3, Flux: the pooled text, the position ids
+        for key in ("pooled_projections", "txt_ids", "img_ids", "encoder_hidden_states_mask"):  # SD3, Flux, Qwen
             if kw.get(key) is not None:
                 inputs[key] = shape(kw[key])
+        if kw.get("img_shapes") is not None:  # Qwen-Image: each sample's latent grid (frames, rows, columns)
+            inputs["img_shapes"] = [list(map(list, grids)) for grids in kw["img_shapes"]]
         if kw.get("guidance") is not None:  # Flux.1-dev: the guidance is an input, not a second pass
             inputs["guidance"] = {"shape": shape(kw["guidance"]), "value": scalar(kw["guidance"].flatten()[0])}
         if kw.get("class_labels") is not None:
@@ -159,7 +161,8 @@ def trace_sd(pipe, args, rec, generator, steps_kept):
 
             def post(module, a, kw, output, name=name):
                 calls[name] = calls.get(name, 0) + 1  # encode_prompt encodes the prompt, then the negative one
-                last = output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0]
+                last = (output.last_hidden_state if hasattr(output, "last_hidden_state") else output.hidden_states[-1]
+                        if getattr(output, "logits", None) is not None and output.hidden_states else output[0])
                 states = {"last_hidden_state": shape(last)}
                 if getattr(output, "hidden_states", None) is not None:  # SDXL takes the penultimate layer's
                     states["hidden_states[-2]"] = shape(output.hidden_states[-2])
@@ -182,10 +185,13 @@ def trace_sd(pipe, args, rec, generator, steps_kept):
     rec.wrap(pipe, "prepare_latents", on_prepare_latents)
     name = "unet" if hasattr(pipe, "unet") else "transformer"
     watch_denoiser(rec, getattr(pipe, name), pipe.scheduler, steps_kept, name)
-    shift = f" + shift_factor {pipe.vae.config.shift_factor}" if pipe.vae.config.get("shift_factor") else ""
+    vae = pipe.vae.config
+    shift = f" + shift_factor {vae.shift_factor}" if vae.get("shift_factor") else ""
+    scale = (f"latents / scaling_factor {vae.scaling_factor}{shift}" if vae.get("scaling_factor")
+             else "latents * latents_std + latents_mean, per channel")  # (Qwen-Image's VAE)
     rec.wrap(pipe.vae, "decode", lambda a, kw, out, ms, start: rec.add(
         "vae.decode", ms, latents=shape(a[0] if a else kw["z"]), image=shape(out[0]),
-        note=f"in: latents / scaling_factor {pipe.vae.config.scaling_factor}{shift}; out: pixels in [-1, 1]"))
+        note=f"in: {scale}; out: pixels in [-1, 1]"))
     rec.wrap(pipe.image_processor, "postprocess", lambda a, kw, out, ms, start: rec.add(
         "image_processor.postprocess", ms, image=shape(a[0] if a else kw["image"]),
         output=f"{len(out)} x {type(out[0]).__name__} {getattr(out[0], 'size', '')}"))
