@@ -249,6 +249,13 @@ def test_train_lora_copied_with_the_flux_module_alone(tiny_flux, digits, tmp_pat
 
 
 @pytest.fixture(scope="module")
+def qwen_without_tokenizer(tiny_qwen_image, tmp_path_factory):
+    path = tmp_path_factory.mktemp("qwen") / "no-tokenizer"
+    shutil.copytree(tiny_qwen_image, path, ignore=shutil.ignore_patterns("tokenizer"))
+    return path
+
+
+@pytest.fixture(scope="module")
 def sd3_without_t5(tiny_sd3, tmp_path_factory):
     path = tmp_path_factory.mktemp("sd3") / "no-t5"
     shutil.copytree(tiny_sd3, path, ignore=shutil.ignore_patterns("text_encoder_3", "tokenizer_3"))
@@ -270,13 +277,20 @@ BAD = {
     "drop-t5-on-flux": (["--pretrained_model_name_or_path", "{flux}", "--drop_t5"], "--drop_t5", "Flux.1"),
     "nf4-without-bitsandbytes": (["--pretrained_model_name_or_path", "{flux}", "--quantize_base", "nf4"],
                                  "--quantize_base nf4", "bitsandbytes"),
+    "qwen-image-resolution": (["--pretrained_model_name_or_path", "{qwen_image}", "--resolution", "36"],
+                              "--resolution 36", "32 or 40", "packs 2 x 2"),
+    "qwen-image-text-encoder-lora": (["--pretrained_model_name_or_path", "{qwen_image}", "--train_text_encoder"],
+                                     "--train_text_encoder", "Qwen-Image's text encoder"),
+    "qwen-image-without-tokenizer": (["--pretrained_model_name_or_path", "{qwen_no_tokenizer}"],
+                                     "not a Qwen-Image pipeline folder", "no tokenizer"),
 }
 
 
 @pytest.mark.parametrize("case", sorted(BAD))
-def test_bad_input_is_one_line_and_writes_nothing(case, bases, tiny_sd, sd3_without_t5, digits, tmp_path):
+def test_bad_input_is_one_line_and_writes_nothing(case, bases, tiny_sd, sd3_without_t5, qwen_without_tokenizer, digits,
+                                                  tmp_path):
     flags, *needles = BAD[case]
-    paths = {"flux": bases["flux"], "sd3": bases["sd3"], "sd": tiny_sd, "sd3_no_t5": sd3_without_t5}
+    paths = {**bases, "sd": tiny_sd, "sd3_no_t5": sd3_without_t5, "qwen_no_tokenizer": qwen_without_tokenizer}
     flags = [flag.format(**paths) for flag in flags]
     proc = run_script("train_lora.py", "--train_data_dir", digits, "--output_dir", tmp_path / "out", *flags)
     assert_one_line_error(proc, *needles)
@@ -320,3 +334,32 @@ def test_a_lora_of_another_family_is_one_line(bases, tiny_sd, tmp_path):
     proc = run_script("sample.py", "--model", tiny_sd, "--lora", tmp_path / "flux-lora", "--prompt", "x",
                       "--output_dir", tmp_path / "s")
     assert_one_line_error(proc, "Flux.1 LoRA", "Stable Diffusion 1.x/2.x")
+
+
+def test_qwen_image_lora_and_flux_lora_cross_is_one_line(bases, tmp_path):
+    """A Qwen-Image LoRA on Flux.1 and a Flux.1 LoRA on Qwen-Image (their default targets share module names), told
+    from the files' metadata before anything loads; what Qwen-Image refuses in the flags before anything loads."""
+    import argparse
+
+    from peft import LoraConfig
+
+    from common.cli import UserError
+    from common.lora_adapters import check_lora_args
+    from common.lora_files import save_lora_weights
+
+    for name, other in (("qwen_image", "flux"), ("flux", "qwen_image")):
+        family, pipe = family_module(name), pipeline(name, bases[name])
+        pipe.transformer.add_adapter(LoraConfig(r=2, target_modules=["to_q"]))
+        save_lora_weights(str(tmp_path / name), family, {"transformer": pipe.transformer},
+                          {"base_model": str(bases[name]), "rank": 2, "lora_alpha": 2},
+                          metadata=family.base_metadata(pipe.transformer.config, None))
+        proc = run_script("sample.py", "--model", bases[other], "--lora", tmp_path / name, "--prompt", "x",
+                          "--output_dir", tmp_path / "s")
+        assert_one_line_error(proc, f"{family.NAME} LoRA", family_module(other).NAME)
+    qwen = family_module("qwen_image")
+    flags = dict(target_modules=None, offload_ema=False, use_ema=False, adapter="lora", lokr_factor=-1,
+                 use_dora=False, lora_dropout=0.0, quantize_base=None, train_text_encoder=False)
+    with pytest.raises(UserError, match="--text_encoder_lr: LoRA on Qwen-Image's text encoder"):
+        check_lora_args(argparse.Namespace(**flags, text_encoder_lr=1e-4), qwen)
+    with pytest.raises(UserError, match="--max_sequence_length 2000: QwenImagePipeline takes prompts of at most 1024"):
+        qwen.text_length({}, 2000, training=True)
