@@ -110,7 +110,8 @@ def test_the_lora_loads_back_exactly(trained):
     # the UI file: the same weights under the names ComfyUI reads for this family, each module with its alpha
     ui = load_file(out / "pytorch_lora_weights_kohya.safetensors")
     adapter = load_file(out / "checkpoint-6" / "transformer" / "adapter_model.safetensors")
-    assert adapter and all(torch.equal(ui[f"transformer.{key}"], value) for key, value in adapter.items())
+    prefix = {"qwen_image": "diffusion_model"}.get(name, "transformer")  # (ComfyUI's own names for Qwen-Image)
+    assert adapter and all(torch.equal(ui[f"{prefix}.{key}"], value) for key, value in adapter.items())
     alphas = {key: value for key, value in ui.items() if key.endswith(".alpha")}
     assert alphas and all(value.item() == 8 for value in alphas.values())
     card = (out / "README.md").read_text()

@@ -30,7 +30,7 @@ PIPELINE = "QwenImagePipeline"
 DENOISER = "transformer"
 # What its LoRA files say of their base (musubi-tuner's ss_base_model_version and ModelSpec architecture, by prefix),
 # and tensor names only its LoRAs have: its text and image input layers, the blocks under kohya's and ComfyUI's names
-# (musubi-tuner's and ComfyUI-format files).
+# (musubi-tuner's files; ComfyUI's, as the UI file here).
 LORA_METADATA = {"ss_base_model_version": ("qwen_image",), "modelspec.architecture": ("Qwen-Image",)}
 LORA_KEY_PREFIXES = ("transformer.img_in.", "transformer.txt_in.", "lora_unet_transformer_blocks_",
                      "diffusion_model.transformer_blocks.")
@@ -217,10 +217,11 @@ UI_IMPLEMENTATION = DIFFUSERS_IMPLEMENTATION
 
 
 def ui_lora(states, alpha, denoiser_config):
-    """ComfyUI reads Qwen-Image LoRAs under diffusers' module paths (`transformer.<module>`: comfy/lora.py maps them
-    one to one onto its QwenImage model, whose final norm keeps diffusers' scale/shift order), with alphas and DoRA
-    magnitudes (common/ui_lora.py)."""
-    return prefixed_lora(states["transformer"], alpha, "transformer")
+    """The UI file under ComfyUI's own names for its QwenImage model, `diffusion_model.<module>` (its modules are
+    diffusers', and its final norm keeps diffusers' scale/shift order), with alphas and DoRA magnitudes
+    (common/ui_lora.py). diffusers' Qwen-Image loader reads these names too, alphas included (it refuses them under
+    `transformer.`)."""
+    return prefixed_lora(states["transformer"], alpha, "diffusion_model")
 
 
 latent_config = vae_latents
