@@ -78,6 +78,7 @@ def watch_denoiser(rec, unet, scheduler, trajectory_steps, name="unet"):
     are kept as <name>_in, <name>_out), a wrapped scheduler.step (and what ran between them: the guidance combine),
     the timesteps (and a flow-matching scheduler's sigmas) from a wrapped set_timesteps; x0 kept at chosen steps."""
     rec.step, rec.x0, rec.keep, rec.calls, rec.initial_noise = None, [], set(), 0, None
+    # (a denoiser call before the scheduler has stepped on the last one is another pass of the same step)
     given, made, took = f"{name}_in", f"{name}_out", f"{name}_ms"
     flow = not hasattr(scheduler, "alphas_cumprod")  # a flow-matching scheduler: x_t = x0 + sigma * velocity
 
@@ -97,6 +98,10 @@ def watch_denoiser(rec, unet, scheduler, trajectory_steps, name="unet"):
             inputs["guidance"] = {"shape": shape(kw["guidance"]), "value": scalar(kw["guidance"].flatten()[0])}
         if kw.get("class_labels") is not None:
             inputs["class_labels"] = kw["class_labels"].tolist()
+        if rec.step is not None and "scheduler_ms" not in rec.step:  # a 2nd pass before the step: true CFG's
+            rec.step.setdefault("true_cfg_passes", []).append({given: inputs})
+            rec.unet_start = rec.clock()
+            return
         t = a[1] if len(a) > 1 else kw["timestep"]
         rec.step = {"stage": "denoise", "step": sum(s["stage"] == "denoise" for s in rec.stages),
                     "t": scalar(t.flatten()[0] if hasattr(t, "flatten") else t), given: inputs}
@@ -105,12 +110,15 @@ def watch_denoiser(rec, unet, scheduler, trajectory_steps, name="unet"):
 
     def post(module, a, kw, output):
         rec.unet_end = rec.clock()
-        rec.step.update({took: round((rec.unet_end - rec.unet_start) * 1e3, 3), made: shape(output[0])})
+        passes = rec.step.get("true_cfg_passes", [])
+        entry = passes[-1] if passes and made not in passes[-1] else rec.step
+        entry.update({took: round((rec.unet_end - rec.unet_start) * 1e3, 3), made: shape(output[0])})
 
     def on_step(a, kw, out, ms, start):
         model_output, t = (a[0] if a else kw["model_output"]), (a[1] if len(a) > 1 else kw["timestep"])
         sample = a[2] if len(a) > 2 else kw["sample"]
-        if rec.step[made][0] != shape(model_output)[0]:  # uncond + w * (cond - uncond) ran in between
+        if rec.step[made][0] != shape(model_output)[0] or "true_cfg_passes" in rec.step:  # uncond + w * (cond -
+            # uncond) ran in between (Flux's and Qwen-Image's true CFG: from a pass of its own, then rescaled)
             rec.step["guidance"] = {"in": rec.step[made], "out": shape(model_output),
                                     "ms": round((start - rec.unet_end) * 1e3, 3)}
         prev = out[0] if isinstance(out, tuple) else out.prev_sample

@@ -177,7 +177,8 @@ def test_inspect_traces_the_flow_pipeline(trained):
     steps = [s for s in stages if s["stage"] == "denoise"]
     if name == "qwen_image":  # packed 2 x 2 like Flux; the text mask and the latent grid are inputs; true CFG: 2 calls
         text = [s for s in stages if s["stage"] == "text_encoder"]
-        assert report["vae"]["packed_latent_shape"] == [1, 16, 64] and len(steps) == 4
+        assert report["vae"]["packed_latent_shape"] == [1, 16, 64] and len(steps) == 2 and report["trace"]["guided"]
+        assert all(len(s["true_cfg_passes"]) == 1 and s["guidance"]["out"] == [1, 16, 64] for s in steps)
         assert [s["text"] for s in text] == ["prompt", "negative prompt"] and text[0]["last_hidden_state"][2] == 32
         assert all(s["transformer_in"]["sample"] == [1, 16, 64] and s["transformer_in"]["img_shapes"] == [[[1, 4, 4]]]
                    and "encoder_hidden_states_mask" not in s["transformer_in"] for s in steps)  # (one prompt: no pad)
