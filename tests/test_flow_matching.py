@@ -111,9 +111,10 @@ def test_one_batch_loss_equals_diffusers_example(pipes, name, scheme):
     prompts = ["a handwritten digit seven", "a handwritten digit two"]
     cond = family.encode_prompts(pipe.components, family.tokenize(pipe.components, prompts, 16))
     guidance = 3.5 if name == "flux" else None
-    if name == "qwen_image":  # one prompt shorter than the other: padding and its mask matter
-        prompts[1] = "a handwritten digit two, in red ink on paper"
+    if name == "qwen_image":  # one prompt shorter than the other (14 and 16 tokens): padding and its mask matter
+        prompts = ["7", "a handwritten digit two, in red ink on paper"]
         cond = family.encode_prompts(pipe.components, family.tokenize(pipe.components, prompts, 16))
+        assert cond["prompt_embeds_mask"].sum(1).tolist() == [14, 16]
     with torch.no_grad():
         noised = objective.at(x0, noise, indices)
         ours = objective.losses(family.denoise(pipe.transformer, noised.noisy, noised.timesteps, cond, guidance),

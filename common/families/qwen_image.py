@@ -162,14 +162,24 @@ def image_shapes(latents, references=()):
     return [grids] * latents.shape[0]
 
 
+def batch_text(cond):
+    """The batch's prompt embeddings and mask cut after its longest prompt, the mask None when nothing is left to mask
+    out: what the pipeline and diffusers' script give the transformer (the same output as the padded ones, with fewer
+    tokens, and with no mask an attention kernel that takes none)."""
+    mask = cond["prompt_embeds_mask"]
+    length = int(mask.sum(dim=1).max())
+    mask = mask[:, :length]
+    return cond["prompt_embeds"][:, :length], None if bool(mask.all()) else mask
+
+
 def denoise(transformer, noisy, timesteps, cond, guidance=None, references=()):
     """The transformer's prediction (noise - x0) for noisy latents [B, C, H, W], packed in and unpacked out; the
-    timestep divided by 1000 and the text mask, as the pipeline gives them. `references`: latents the transformer sees
-    after the image's tokens and predicts nothing for (Qwen-Image-Edit)."""
+    timestep divided by 1000 and the text (batch_text), as the pipeline gives them. `references`: latents the
+    transformer sees after the image's tokens and predicts nothing for (Qwen-Image-Edit)."""
     _, _, h, w = noisy.shape
+    text, mask = batch_text(cond)
     out = transformer(hidden_states=pack_tokens(noisy, references), timestep=timesteps / 1000,
-                      encoder_hidden_states=cond["prompt_embeds"],
-                      encoder_hidden_states_mask=cond["prompt_embeds_mask"],
+                      encoder_hidden_states=text, encoder_hidden_states_mask=mask,
                       img_shapes=image_shapes(noisy, references), return_dict=False)[0]
     return unpack(out[:, :(h // 2) * (w // 2)], h, w)
 
