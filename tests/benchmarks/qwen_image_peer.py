@@ -1,7 +1,8 @@
 """`make bench`'s Qwen-Image row: train_lora.py against diffusers' own train_dreambooth_lora_qwen_image.py on the tiny
 random-init Qwen-Image (models/tiny-qwen-image, `make tiny-qwen-image`), with the same settings (rank and alpha,
 targets: both scripts' defaults, steps, batch, learning rate, resolution, seed, prompt length, cached latents), each a
-whole `accelerate launch` on the CPU, timed from start to exit, interleaved; then both LoRAs' held-out loss on the
+whole `accelerate launch` on the CPU, timed from start to exit, interleaved (the VAE encodes the latent cache 8
+images a call in both); then both LoRAs' held-out loss on the
 red-ink digits' test split at the same fixed noise and sigmas (common/validation_loss.py), as flux_peer.py does for
 Flux.1. The peer runs unchanged (its check_min_version passes the pinned diffusers) through peer_run.py, whose
 torchvision stand-in gives it the PIL transforms it calls.
@@ -34,8 +35,11 @@ def commands(out):
     same = [x for pair in SAME.items() for x in pair]
     launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
               os.path.join(ROOT, "accelerate_configs", "cpu.yaml"), "--num_cpu_threads_per_process", "1"]
+    # (ours encodes the cache 8 images a call, as the peer does with its batches: its own default is a quarter batch,
+    # for the memory of full-resolution images, and the 3-D VAE's calls cost much more than their images here)
     ours = [*launch, os.path.join(ROOT, "train_lora.py"), "--pretrained_model_name_or_path", BASE, "--train_data_dir",
-            DATA, *same, "--cache_latents", "--report_to", "tensorboard", "--output_dir", os.path.join(out, "ours")]
+            DATA, *same, "--cache_latents", "--vae_encode_batch_size", SAME["--train_batch_size"], "--report_to",
+            "tensorboard", "--output_dir", os.path.join(out, "ours")]
     peer = [*launch, os.path.join(HERE, "peer_run.py"), os.path.join(PEERS, PEER), "--pretrained_model_name_or_path",
             BASE, "--dataset_name", DATA, "--caption_column", "text", "--instance_prompt", "a handwritten digit",
             *same, "--cache_latents", "--report_to", "tensorboard", "--output_dir", os.path.join(out, "peer")]
