@@ -1,13 +1,13 @@
 #!/usr/bin/env python
 """Train the denoiser of a text-to-image diffusion model on captioned images (full fine-tuning, or from scratch).
 
-The counterpart of diffusers' train_text_to_image.py, for every family of common/families/ (the base's
-model_index.json says which): Stable Diffusion 1.x/2.x and XL (a UNet on DDPM noise: epsilon, v or x0, min-SNR
-weighting, noise offset), Stable Diffusion 3, Flux.1 and Qwen-Image (a transformer trained by flow matching). The
-VAE and the text encoders frozen, every denoiser weight trained, the denoiser from the base pipeline or, with
---unet_config / --transformer_config, a fresh one from a config (training from scratch). Latents (--cache_latents)
-and every prompt's embeddings computed once; caption dropout so that classifier-free guidance works, an EMA of the
-weights (what gets exported), validation images, a held-out loss, resumable checkpoints. Writes a complete pipeline folder of the base's
+The counterpart of diffusers' train_text_to_image.py, for every family of common/families/ (the base's model_index.json
+says which): Stable Diffusion 1.x/2.x and XL (a UNet on DDPM noise: epsilon, v or x0, min-SNR weighting, noise offset),
+Stable Diffusion 3, Flux.1 and Qwen-Image (a transformer trained by flow matching). The VAE and the text encoders
+frozen, every denoiser weight trained, the denoiser from the base pipeline or, with --unet_config /
+--transformer_config, a fresh one from a config (training from scratch). Latents (--cache_latents) and every prompt's
+embeddings computed once; caption dropout so that classifier-free guidance works, an EMA of the weights (what gets
+exported), validation images, a held-out loss, resumable checkpoints. Writes a complete pipeline folder of the base's
 class (`DiffusionPipeline.from_pretrained(output_dir)`, sample.py, and a base for train_lora.py) and a model card.
 
 Built-in demo (CPU): a full fine-tune of the shipped tiny base on the red-ink digits that `make data` writes (the
