@@ -28,7 +28,7 @@ LAUNCH := $(LAUNCH_ENV) $(PY) -m common.launch --config_file $(CONFIG) \
 ARGS ?=
 DIGITS := data/digits/train/metadata.jsonl
 
-.PHONY: install install-extras install-deepspeed lint data env tiny-sd-base tiny-flux-base tiny-sdxl tiny-sd3 tiny-flux train-text-to-image train-classifier train-ddpm sample-ddpm tiny-sd train-lora train-dreambooth sample-lora inspect test clean
+.PHONY: install install-extras install-deepspeed lint data env tiny-sd-base tiny-flux-base tiny-sdxl tiny-sd3 tiny-flux tiny-qwen-image train-text-to-image train-classifier train-ddpm sample-ddpm tiny-sd train-lora train-dreambooth sample-lora inspect test clean
 
 install: $(VENV)/.installed
 $(VENV)/.installed: requirements.txt
@@ -105,6 +105,13 @@ TINY_FLUX := models/tiny-flux/model_index.json
 tiny-flux: $(TINY_FLUX)
 $(TINY_FLUX): | install
 	$(PY) -m demo.tiny_sd --architecture tiny-flux --output_dir models/tiny-flux
+
+# Qwen-Image (QwenImagePipeline: its transformer, a 3-D causal VAE, a Qwen2.5-VL text encoder and a tokenizer written
+# here; demo/tiny_qwen_image.py): 32 px images, about 3 MB.
+TINY_QWEN_IMAGE := models/tiny-qwen-image/model_index.json
+tiny-qwen-image: $(TINY_QWEN_IMAGE)
+$(TINY_QWEN_IMAGE): | install
+	$(PY) -m demo.tiny_qwen_image --output_dir models/tiny-qwen-image
 
 # The LoRA demo: the tiny base, the digits captions. One thread per CPU process: the models are small, and on a
 # shared CPU several threads per process spin against each other (see docs/train_lora.md).
@@ -230,15 +237,17 @@ test: lint
 	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests $(ARGS)
 
 # Each recipe against a hand-written reference loop, --help latency, sample.py images/s (tests/benchmarks/):
-# one table, and outputs/bench/results.json; then the Flux row against diffusers' own script (flux_peer.py, about
-# 2 min). About 5 min on 2 CPU cores (3 repeats), plus about 5 for lora_buckets and
-# lora_square (aspect-ratio buckets against square crops); BENCH_ARGS="--repeats 1" for a quick look.
+# one table, and outputs/bench/results.json; then the Flux and Qwen-Image rows against diffusers' own scripts
+# (flux_peer.py, qwen_image_peer.py, about 2 and 5 min). About 5 min on 2 CPU cores (3 repeats), plus about 5 for
+# lora_buckets and lora_square (aspect-ratio buckets against square crops); BENCH_ARGS="--repeats 1" for a quick look.
 .PHONY: bench
 BENCH_ARGS ?=
-bench: data $(TINY_SD) $(TINY_FLUX)
+bench: data $(TINY_SD) $(TINY_FLUX) $(TINY_QWEN_IMAGE)
 	$(PY) tests/benchmarks/run_bench.py $(BENCH_ARGS)
 	$(if $(wildcard .gpu-pack/peers/train_dreambooth_lora_flux.py),$(PY) tests/benchmarks/flux_peer.py run,@echo "the \
 	  Flux row needs diffusers' own script: make bench-peers DIFFUSERS_REPO=<a clone of diffusers>")
+	$(if $(wildcard .gpu-pack/peers/train_dreambooth_lora_qwen_image.py),$(PY) tests/benchmarks/qwen_image_peer.py,\
+	  @echo "the Qwen-Image row needs diffusers' own script: make bench-peers DIFFUSERS_REPO=<a clone of diffusers>")
 
 # diffusers' example scripts, the peers of the Flux row (and of make gpu-evidence), at the pinned diffusers' tag (or
 # the nearest below it), from a clone of its repository, into .gpu-pack/peers (ignored).

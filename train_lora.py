@@ -46,7 +46,7 @@ DreamBooth with prior preservation (diffusers' flags; the base draws the missing
         --class_data_dir dog-class --class_prompt "a photo of a dog" --num_class_images 200   (make train-dreambooth)
 Then:  python sample.py --model outputs/lora-naruto --prompt "a girl with pink hair"
 
-A copy also needs the module of its base's family: common/families/sd.py, sdxl.py, sd3.py or flux.py.
+A copy also needs the module of its base's family: common/families/flux.py, qwen_image.py, sd.py, sd3.py or sdxl.py.
 Copy with: common/__init__.py, common/args.py, common/base_models.py, common/block_swap.py, common/buckets.py, common/caption_files.py, common/checkpoints.py, common/cli.py, common/deepspeed_engine.py, common/diffusion.py, common/distributed.py, common/drawing.py, common/dreambooth.py, common/families/__init__.py, common/float8_base.py, common/fsdp.py, common/image_data.py, common/lora_adapters.py, common/lora_files.py, common/lora_metadata.py, common/loss_masks.py, common/objectives.py, common/optimizers.py, common/preemption.py, common/prompts.py, common/reporting.py, common/sgm_names.py, common/training.py, common/ui_lora.py, common/vae.py, common/validation_images.py, common/validation_loss.py
 """  # noqa: E501 (the copy list stays one line, for grep)
 import math
@@ -94,9 +94,7 @@ def parse_args(argv=None):
     add_mask_args(g)
     add_dreambooth_args(parser)
     g = parser.add_argument_group("model")
-    add_base_model_args(g, SHIPPED_BASE, "A StableDiffusionPipeline, StableDiffusionXLPipeline, "
-                                         "StableDiffusion3Pipeline or FluxPipeline: hub id or folder (default: the "
-                                         "shipped tiny digits base).")
+    add_base_model_args(g, SHIPPED_BASE)
     g.add_argument("--quantize_base", default=None, choices=["nf4", "fp8"],
                    help="nf4 (QLoRA): the frozen denoiser in 4-bit NF4 (bitsandbytes through diffusers' "
                         "BitsAndBytesConfig; CUDA only, `make install-extras`); fp8: its transformer blocks' Linear "
@@ -119,7 +117,7 @@ def parse_args(argv=None):
     add_adapter_args(g)  # --adapter lora|loha|lokr, --lokr_factor
     g.add_argument("--train_text_encoder", action="store_true",
                    help="Also LoRA on the CLIP text encoders' attention projections (SDXL and SD3: both CLIPs; "
-                        "Flux.1: its CLIP; never T5).")
+                        "Flux.1: its CLIP; never T5 nor Qwen-Image's LLM).")
     g.add_argument("--text_encoder_lr", type=positive_float, default=None, help="Default: --learning_rate.")
     g = parser.add_argument_group("EMA of the LoRA weights")
     add_ema_args(g)

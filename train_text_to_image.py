@@ -1,10 +1,10 @@
 #!/usr/bin/env python
 """Train the denoiser of a text-to-image diffusion model on captioned images (full fine-tuning, or from scratch).
 
-The counterpart of diffusers' train_text_to_image.py, for every family of common/families/ (the base's
-model_index.json says which): Stable Diffusion 1.x/2.x and XL (a UNet on DDPM noise: epsilon, v or x0, min-SNR
-weighting, noise offset), Stable Diffusion 3 and Flux.1 (a transformer trained by flow matching). The VAE and the
-text encoders frozen, every denoiser weight trained, the denoiser from the base pipeline or, with --unet_config /
+The counterpart of diffusers' train_text_to_image.py, for every family of common/families/ (the base's model_index.json
+says which): Stable Diffusion 1.x/2.x and XL (a UNet on DDPM noise: epsilon, v or x0, min-SNR weighting, noise offset),
+Stable Diffusion 3, Flux.1 and Qwen-Image (a transformer trained by flow matching). The VAE and the text encoders
+frozen, every denoiser weight trained, the denoiser from the base pipeline or, with --unet_config /
 --transformer_config, a fresh one from a config (training from scratch). Latents (--cache_latents) and every prompt's
 embeddings computed once; caption dropout so that classifier-free guidance works, an EMA of the weights (what gets
 exported), validation images, a held-out loss, resumable checkpoints. Writes a complete pipeline folder of the base's
@@ -24,7 +24,7 @@ One GPU, Stable Diffusion 1.5 from the hub (full fine-tuning wants a large GPU; 
         --output_dir outputs/sd-naruto
 Then:  python sample.py --model outputs/sd-naruto --prompt "a girl with pink hair"
 
-A copy also needs the module of its base's family: common/families/sd.py, sdxl.py, sd3.py or flux.py.
+A copy also needs the module of its base's family: common/families/flux.py, qwen_image.py, sd.py, sd3.py or sdxl.py.
 Copy with: common/__init__.py, common/args.py, common/base_models.py, common/buckets.py, common/caption_files.py, common/checkpoints.py, common/cli.py, common/deepspeed_engine.py, common/diffusion.py, common/distributed.py, common/families/__init__.py, common/fsdp.py, common/image_data.py, common/loss_masks.py, common/objectives.py, common/optimizers.py, common/preemption.py, common/prompts.py, common/reporting.py, common/sgm_names.py, common/single_file_checkpoint.py, common/text_encoder_keys.py, common/training.py, common/ui_lora.py, common/unet_config.py, common/vae.py, common/validation_images.py, common/validation_loss.py
 """  # noqa: E501 (the copy list stays one line, for grep)
 import math
@@ -64,14 +64,13 @@ def parse_args(argv=None):
     add_latent_cache_args(g)
     add_bucket_args(g)
     g = parser.add_argument_group("model")
-    add_base_model_args(g, SHIPPED_BASE, "A StableDiffusionPipeline, StableDiffusionXLPipeline, "
-                                         "StableDiffusion3Pipeline or FluxPipeline: hub id or folder (default: the "
-                                         "shipped tiny digits base).")
+    add_base_model_args(g, SHIPPED_BASE)
     g.add_argument("--unet_config", default=None,
                    help="A UNet2DConditionModel config (json file, or folder with config.json): train a fresh UNet "
                         "from scratch instead of the base's (SD 1.x/2.x, SDXL).")
     g.add_argument("--transformer_config", default=None,
-                   help="The same for a transformer base (SD3Transformer2DModel, FluxTransformer2DModel config).")
+                   help="The same for a transformer base (SD3Transformer2DModel, FluxTransformer2DModel, "
+                        "QwenImageTransformer2DModel config).")
     add_objective_args(g)
     add_ema_args(g)
     g.add_argument("--save_model_as", default="diffusers", choices=["diffusers", "safetensors"],

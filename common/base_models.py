@@ -213,17 +213,21 @@ def offload_idle_models(logger, args, vae, text_encoders, text_cached):
     return idle
 
 
-def add_base_model_args(group, default, help):
+def add_base_model_args(group, default):
     """The flags that choose and load the base (diffusers' names): the pipeline, its revision and weights variant,
     T5's prompt length, the guidance input of a guidance-distilled base, SD3 without T5, gradient checkpointing."""
     from .args import positive_float, positive_int
+    from .families import FAMILIES
 
-    group.add_argument("--pretrained_model_name_or_path", default=default, help=help)
+    group.add_argument("--pretrained_model_name_or_path", default=default,
+                       help=f"A diffusers pipeline of a family in common/families/ ({', '.join(sorted(FAMILIES))}): "
+                            "hub id or folder (default: the shipped tiny digits base).")
     group.add_argument("--revision", default=None, help="Hub revision of the base model.")
     group.add_argument("--variant", default=None, help="Weights variant of the base model, e.g. fp16.")
     group.add_argument("--max_sequence_length", type=positive_int, default=None,
                        help="SD3 and Flux.1: T5's prompt length in tokens (default: 77 for SD3, 512 for Flux.1, as "
-                            "diffusers' scripts; short captions train much faster with less).")
+                            "diffusers' scripts; short captions train much faster with less); Qwen-Image: the "
+                            "prompt's tokens after its template (512, as diffusers' script; at most 1024).")
     group.add_argument("--guidance_scale", type=positive_float, default=None,
                        help="Flux.1-dev and other guidance-distilled bases: the guidance the denoiser is given while "
                             "training (default 3.5, as diffusers' Flux script).")

@@ -48,8 +48,9 @@ def add_objective_args(group):
     group.add_argument("--noise_offset", type=float, default=None,
                        help="DDPM bases: offset noise scale (0.05-0.1 is usual).")
     group.add_argument("--weighting_scheme", default=None, choices=WEIGHTING_SCHEMES,
-                       help="Flow-matching bases (SD3, Flux.1): how timesteps are drawn or losses weighted; default: "
-                            "logit_normal for SD3, none for Flux.1 (diffusers' scripts' defaults).")
+                       help="Flow-matching bases (SD3, Flux.1, Qwen-Image): how timesteps are drawn or losses "
+                            "weighted; default: logit_normal for SD3, none for Flux.1 and Qwen-Image (diffusers' "
+                            "scripts' defaults).")
     group.add_argument("--logit_mean", type=float, default=None, help="Flow matching, logit_normal: mean (0.0).")
     group.add_argument("--logit_std", type=float, default=None, help="Flow matching, logit_normal: std (1.0).")
     group.add_argument("--mode_scale", type=float, default=None, help="Flow matching, mode: scale (1.29).")

@@ -72,9 +72,10 @@ def describe(pipe, labels, args):
     if vae is not None:
         c, factor = vae.config, pipe.vae_scale_factor
         report["vae"] = {"class": type(vae).__name__, **pick(c, ["scaling_factor", "shift_factor", "latent_channels",
-                                                                 "block_out_channels"]),
+                                                                 "z_dim", "block_out_channels"]),
                          "downsampling_factor": factor, "image_shape": [args.num_images, 3, height, width],
-                         "latent_shape": [args.num_images, c.latent_channels, height // factor, width // factor]}
+                         "latent_shape": [args.num_images, c.get("latent_channels") or c.get("z_dim"),  # (3-D VAEs)
+                                          height // factor, width // factor]}
         family = pipeline_family(pipe)
         if family is not None and hasattr(family, "packed_shape"):  # Flux: the transformer sees 2 x 2 patches
             report["vae"]["packed_latent_shape"] = family.packed_shape(report["vae"]["latent_shape"])
@@ -251,6 +252,8 @@ def print_trace(t):
         name = "unet" if "unet_in" in s else "transformer"
         given = " + ".join(f"{k} {fmt(v)}" for k, v in s[f"{name}_in"].items())
         guidance = f" | {s['guidance']['ms']:.2f} ms guidance -> {fmt(s['guidance']['out'])}" if "guidance" in s else ""
+        guidance = "".join(f" | {p[f'{name}_ms']:.2f} ms another pass (true CFG's negative prompt) -> "
+                           f"{fmt(p[f'{name}_out'])}" for p in s.get("true_cfg_passes", [])) + guidance
         print(f"  {s[f'{name}_ms']:>9.2f}  step {s['step']} t={s['t']}: {name}({given}) -> {fmt(s[f'{name}_out'])}"
               f"{guidance} | {s['scheduler_ms']:.2f} ms scheduler.step -> {fmt(s['latents'])}")
     print(f"  {t['total_ms']:>9.2f}  total (wall time of the call)")

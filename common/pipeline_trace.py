@@ -78,6 +78,7 @@ def watch_denoiser(rec, unet, scheduler, trajectory_steps, name="unet"):
     are kept as <name>_in, <name>_out), a wrapped scheduler.step (and what ran between them: the guidance combine),
     the timesteps (and a flow-matching scheduler's sigmas) from a wrapped set_timesteps; x0 kept at chosen steps."""
     rec.step, rec.x0, rec.keep, rec.calls, rec.initial_noise = None, [], set(), 0, None
+    # (a denoiser call before the scheduler has stepped on the last one is another pass of the same step)
     given, made, took = f"{name}_in", f"{name}_out", f"{name}_ms"
     flow = not hasattr(scheduler, "alphas_cumprod")  # a flow-matching scheduler: x_t = x0 + sigma * velocity
 
@@ -88,13 +89,19 @@ def watch_denoiser(rec, unet, scheduler, trajectory_steps, name="unet"):
             inputs["encoder_hidden_states"] = shape(cond)
         for key, value in (kw.get("added_cond_kwargs") or {}).items():  # SDXL: the pooled text_embeds, time_ids
             inputs[key] = shape(value)
-        for key in ("pooled_projections", "txt_ids", "img_ids"):  # SD3, Flux: the pooled text, the position ids
+        for key in ("pooled_projections", "txt_ids", "img_ids", "encoder_hidden_states_mask"):  # SD3, Flux, Qwen
             if kw.get(key) is not None:
                 inputs[key] = shape(kw[key])
+        if kw.get("img_shapes") is not None:  # Qwen-Image: each sample's latent grid (frames, rows, columns)
+            inputs["img_shapes"] = [list(map(list, grids)) for grids in kw["img_shapes"]]
         if kw.get("guidance") is not None:  # Flux.1-dev: the guidance is an input, not a second pass
             inputs["guidance"] = {"shape": shape(kw["guidance"]), "value": scalar(kw["guidance"].flatten()[0])}
         if kw.get("class_labels") is not None:
             inputs["class_labels"] = kw["class_labels"].tolist()
+        if rec.step is not None and "scheduler_ms" not in rec.step:  # a 2nd pass before the step: true CFG's
+            rec.step.setdefault("true_cfg_passes", []).append({given: inputs})
+            rec.unet_start = rec.clock()
+            return
         t = a[1] if len(a) > 1 else kw["timestep"]
         rec.step = {"stage": "denoise", "step": sum(s["stage"] == "denoise" for s in rec.stages),
                     "t": scalar(t.flatten()[0] if hasattr(t, "flatten") else t), given: inputs}
@@ -103,12 +110,15 @@ def watch_denoiser(rec, unet, scheduler, trajectory_steps, name="unet"):
 
     def post(module, a, kw, output):
         rec.unet_end = rec.clock()
-        rec.step.update({took: round((rec.unet_end - rec.unet_start) * 1e3, 3), made: shape(output[0])})
+        passes = rec.step.get("true_cfg_passes", [])
+        entry = passes[-1] if passes and made not in passes[-1] else rec.step
+        entry.update({took: round((rec.unet_end - rec.unet_start) * 1e3, 3), made: shape(output[0])})
 
     def on_step(a, kw, out, ms, start):
         model_output, t = (a[0] if a else kw["model_output"]), (a[1] if len(a) > 1 else kw["timestep"])
         sample = a[2] if len(a) > 2 else kw["sample"]
-        if rec.step[made][0] != shape(model_output)[0]:  # uncond + w * (cond - uncond) ran in between
+        if rec.step[made][0] != shape(model_output)[0] or "true_cfg_passes" in rec.step:  # uncond + w * (cond -
+            # uncond) ran in between (Flux's and Qwen-Image's true CFG: from a pass of its own, then rescaled)
             rec.step["guidance"] = {"in": rec.step[made], "out": shape(model_output),
                                     "ms": round((start - rec.unet_end) * 1e3, 3)}
         prev = out[0] if isinstance(out, tuple) else out.prev_sample
@@ -159,7 +169,8 @@ def trace_sd(pipe, args, rec, generator, steps_kept):
 
             def post(module, a, kw, output, name=name):
                 calls[name] = calls.get(name, 0) + 1  # encode_prompt encodes the prompt, then the negative one
-                last = output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0]
+                last = (output.last_hidden_state if hasattr(output, "last_hidden_state") else output.hidden_states[-1]
+                        if getattr(output, "logits", None) is not None and output.hidden_states else output[0])
                 states = {"last_hidden_state": shape(last)}
                 if getattr(output, "hidden_states", None) is not None:  # SDXL takes the penultimate layer's
                     states["hidden_states[-2]"] = shape(output.hidden_states[-2])
@@ -182,10 +193,13 @@ def trace_sd(pipe, args, rec, generator, steps_kept):
     rec.wrap(pipe, "prepare_latents", on_prepare_latents)
     name = "unet" if hasattr(pipe, "unet") else "transformer"
     watch_denoiser(rec, getattr(pipe, name), pipe.scheduler, steps_kept, name)
-    shift = f" + shift_factor {pipe.vae.config.shift_factor}" if pipe.vae.config.get("shift_factor") else ""
+    vae = pipe.vae.config
+    shift = f" + shift_factor {vae.shift_factor}" if vae.get("shift_factor") else ""
+    scale = (f"latents / scaling_factor {vae.scaling_factor}{shift}" if vae.get("scaling_factor")
+             else "latents * latents_std + latents_mean, per channel")  # (Qwen-Image's VAE)
     rec.wrap(pipe.vae, "decode", lambda a, kw, out, ms, start: rec.add(
         "vae.decode", ms, latents=shape(a[0] if a else kw["z"]), image=shape(out[0]),
-        note=f"in: latents / scaling_factor {pipe.vae.config.scaling_factor}{shift}; out: pixels in [-1, 1]"))
+        note=f"in: {scale}; out: pixels in [-1, 1]"))
     rec.wrap(pipe.image_processor, "postprocess", lambda a, kw, out, ms, start: rec.add(
         "image_processor.postprocess", ms, image=shape(a[0] if a else kw["image"]),
         output=f"{len(out)} x {type(out[0]).__name__} {getattr(out[0], 'size', '')}"))

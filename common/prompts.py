@@ -89,10 +89,12 @@ class PromptCache:
 
 
 def _numpy_dtype(dtype):
-    """numpy has no bfloat16: its bits are kept as int16 (and viewed back)."""
+    """numpy has no bfloat16: its bits are kept as int16 (and viewed back); integers (attention masks) as they are."""
     import numpy as np
     import torch
 
+    if not dtype.is_floating_point:
+        return torch.empty((), dtype=dtype).numpy().dtype
     return {torch.bfloat16: np.int16, torch.float16: np.float16}.get(dtype, np.float32)
 
 
@@ -101,7 +103,7 @@ def _as_numpy(value):
 
     if value.dtype == torch.bfloat16:
         return value.view(torch.int16).numpy()
-    return value.numpy() if value.dtype == torch.float16 else value.float().numpy()
+    return value.numpy() if value.dtype == torch.float16 or not value.dtype.is_floating_point else value.float().numpy()
 
 
 class Conditioning:

@@ -7,7 +7,10 @@ pipeline's latents decoded in fp32. A 3-D causal VAE (Qwen-Image's, Wan's) sees 
 
 
 def vae_factor(vae_config):
-    """The VAE's downsampling factor (8 for Stable Diffusion and Flux)."""
+    """The VAE's downsampling factor (8 for Stable Diffusion, Flux and Qwen-Image; a 3-D VAE's as its pipelines
+    count it, one halving per temporal level)."""
+    if is_video_vae(vae_config):
+        return 2 ** len(vae_config["temperal_downsample"])
     return 2 ** (len(vae_config.get("block_out_channels", (0,) * 4)) - 1)
 
 

@@ -74,11 +74,12 @@ def add_validation_image_args(group, validation_steps):
     group.add_argument("--validation_scheduler", default=None,
                        choices=sorted(set(SCHEDULER_CLASSES) | set(FLOW_SCHEDULER_CLASSES)),
                        help="Sampler of the validation images (sample.py's default too): dpm (DPM-Solver++) for SD "
-                            "1.x/2.x and SDXL, euler (the pipelines' flow-matching Euler) for SD3 and Flux.1.")
+                            "1.x/2.x and SDXL, euler (the pipelines' flow-matching Euler) for SD3, Flux.1 and "
+                            "Qwen-Image.")
     group.add_argument("--validation_inference_steps", type=positive_int, default=20)
     group.add_argument("--validation_guidance_scale", type=positive_float, default=None,
                        help="Default: the family's (sample.py's): 7.5 for SD 1.x/2.x and SDXL, 7.0 for SD3, 3.5 for "
-                            "Flux.1 (its guidance embedding).")
+                            "Flux.1 (its guidance embedding), 4.0 for Qwen-Image (true CFG).")
 
 
 def check_validation_image_args(args, family):

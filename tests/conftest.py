@@ -205,3 +205,13 @@ def tiny_flux(tmp_path_factory):
     path = tmp_path_factory.mktemp("models") / "tiny-flux"
     write_tiny_sd(str(path), architecture="tiny-flux")
     return path
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen_image(tmp_path_factory):
+    """The tiny random-init Qwen-Image pipeline of `make tiny-qwen-image`, built once per test session."""
+    from demo.tiny_qwen_image import write_tiny_qwen_image
+
+    path = tmp_path_factory.mktemp("models") / "tiny-qwen-image"
+    write_tiny_qwen_image(str(path))
+    return path

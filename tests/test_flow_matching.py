@@ -1,8 +1,9 @@
-"""Flow matching (common/objectives.py) and the SD3 / Flux.1 family modules against diffusers' own computation, on the
-tiny random-init builds: one fixed batch, fixed noise and sigmas, the loss as diffusers' train_dreambooth_lora_sd3.py
-and _flux.py compute it (their get_sigmas, x_t, FluxPipeline's packing and ids, the /1000 timestep, SD3's
-preconditioning, compute_loss_weighting_for_sd3), the prompt embeddings as the pipelines' own encode_prompt makes them,
-the training sigmas (SD3's shifted, Flux's not) and the timestep draw; the flags each objective refuses."""
+"""Flow matching (common/objectives.py) and the SD3 / Flux.1 / Qwen-Image family modules against diffusers' own
+computation, on the tiny random-init builds: one fixed batch, fixed noise and sigmas, the loss as diffusers'
+train_dreambooth_lora_sd3.py, _flux.py and _qwen_image.py compute it (their get_sigmas, x_t, the pipelines' packing,
+ids and img_shapes, the /1000 timestep, SD3's preconditioning, compute_loss_weighting_for_sd3), the prompt embeddings
+as the pipelines' own encode_prompt makes them, the training sigmas (SD3's shifted, Flux's and Qwen-Image's not) and
+the timestep draw; the flags each objective refuses."""
 import argparse
 
 import pytest
@@ -21,16 +22,20 @@ def flags(**given):
 
 
 @pytest.fixture(scope="module")
-def pipes(tiny_flux, tiny_sd3):
+def pipes(tiny_flux, tiny_sd3, tiny_qwen_image):
     import diffusers
 
     return {"flux": diffusers.FluxPipeline.from_pretrained(tiny_flux),
             "sd3": diffusers.StableDiffusion3Pipeline.from_pretrained(tiny_sd3),
-            "paths": {"flux": tiny_flux, "sd3": tiny_sd3}}
+            "qwen_image": diffusers.QwenImagePipeline.from_pretrained(tiny_qwen_image),
+            "paths": {"flux": tiny_flux, "sd3": tiny_sd3, "qwen_image": tiny_qwen_image}}
 
 
 def pipeline_embeddings(pipe, name, prompts):
-    """The pipeline's own encode_prompt, at T5 length 16."""
+    """The pipeline's own encode_prompt, at T5 length 16 (Qwen-Image: 16 tokens after the template's; -> the
+    embeddings and their mask, None when no prompt is padded)."""
+    if name == "qwen_image":
+        return pipe.encode_prompt(prompts, max_sequence_length=16)
     if name == "flux":
         embeds, pooled, _ = pipe.encode_prompt(prompts, prompt_2=None, max_sequence_length=16)
     else:
@@ -48,11 +53,51 @@ def test_prompt_embeddings_are_the_pipelines_own(pipes, name):
     assert torch.equal(ours["prompt_embeds"], embeds) and torch.equal(ours["pooled_prompt_embeds"], pooled)
 
 
-@pytest.mark.parametrize("name, scheme", [("flux", None), ("sd3", None), ("sd3", "sigma_sqrt"), ("flux", "cosmap")])
+def test_qwen_image_prompt_embeddings_are_the_pipelines_padded(pipes):
+    """Qwen2.5-VL's last hidden states after the template's 34 tokens, as QwenImagePipeline.encode_prompt makes them
+    (padded to the batch's longest prompt, cut at max_sequence_length), here padded on to max_sequence_length with
+    zeros and a mask that leaves them out: one shape for every cached embedding."""
+    family, pipe = family_module("qwen_image"), pipes["qwen_image"]
+    prompts = ["7", "", "red ink on paper, a much longer prompt than sixteen tokens"]
+    with torch.no_grad():
+        ours = family.encode_prompts(pipe.components, family.tokenize(pipe.components, prompts, 16))
+        embeds, mask = pipeline_embeddings(pipe, "qwen_image", prompts)  # (the long prompt's tokens are all read)
+        short, short_mask = pipeline_embeddings(pipe, "qwen_image", prompts[:2])  # padded to 14, not to 16
+    assert ours["prompt_embeds"].shape == (3, 16, 32) and embeds.shape[1] == 16 and mask[:, -1].tolist() == [0, 0, 1]
+    assert torch.equal(ours["prompt_embeds_mask"], mask)
+    assert torch.allclose(ours["prompt_embeds"], embeds, atol=1e-6), (ours["prompt_embeds"] - embeds).abs().max()
+    assert short.shape[1] < 16 and short_mask is not None
+    assert torch.allclose(ours["prompt_embeds"][:2, :short.shape[1]], short, atol=1e-6)
+    assert torch.equal(ours["prompt_embeds_mask"][:2, :short.shape[1]], short_mask)
+    assert not ours["prompt_embeds"][:2, short.shape[1]:].any()
+    assert not ours["prompt_embeds_mask"][:2, short.shape[1]:].any()
+    assert family.prompt_template() == (pipe.prompt_template_encode, pipe.prompt_template_encode_start_idx)
+
+
+def test_qwen_image_latents_are_the_scripts_and_decode_as_the_pipeline(pipes):
+    """A 32 px image through the 3-D VAE as one frame, normalised per channel as diffusers' Qwen-Image script does
+    ((x - latents_mean) * (1 / latents_std)), and back as QwenImagePipeline decodes (x / (1 / latents_std) + mean)."""
+    from common.vae import denormalize, encode_params, mean_latents
+
+    family, vae = family_module("qwen_image"), pipes["qwen_image"].vae
+    config = family.latent_config(vae)
+    pixels = torch.rand(2, 3, 32, 32, generator=torch.Generator().manual_seed(0)) * 2 - 1
+    ours = mean_latents(encode_params(vae, pixels), config)
+    mean = torch.tensor(vae.config.latents_mean).view(1, 16, 1, 1, 1)
+    inverse_std = 1.0 / torch.tensor(vae.config.latents_std).view(1, 16, 1, 1, 1)
+    with torch.no_grad():
+        theirs = (vae.encode(pixels[:, :, None]).latent_dist.mean - mean) * inverse_std
+    assert ours.shape == (2, 16, 8, 8) and torch.allclose(ours, theirs[:, :, 0], atol=1e-5)
+    assert 0.5 < ours.std() < 2  # the tiny VAE's statistics describe its latents
+    assert torch.allclose(denormalize(config, ours)[:, :, None], ours[:, :, None] / inverse_std + mean, atol=1e-6)
+
+
+@pytest.mark.parametrize("name, scheme", [("flux", None), ("sd3", None), ("sd3", "sigma_sqrt"), ("flux", "cosmap"),
+                                          ("qwen_image", None), ("qwen_image", "sigma_sqrt")])
 def test_one_batch_loss_equals_diffusers_example(pipes, name, scheme):
     """Our objective + family denoiser against the lines of diffusers' example, written out with diffusers' own
     helpers: the same loss to float rounding, for the family's default scheme and a weighted one."""
-    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline
+    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, QwenImagePipeline
     from diffusers.training_utils import compute_loss_weighting_for_sd3
 
     family, pipe = family_module(name), pipes[name]
@@ -66,18 +111,33 @@ def test_one_batch_loss_equals_diffusers_example(pipes, name, scheme):
     prompts = ["a handwritten digit seven", "a handwritten digit two"]
     cond = family.encode_prompts(pipe.components, family.tokenize(pipe.components, prompts, 16))
     guidance = 3.5 if name == "flux" else None
+    if name == "qwen_image":  # one prompt shorter than the other (14 and 16 tokens): padding and its mask matter
+        prompts = ["7", "a handwritten digit two, in red ink on paper"]
+        cond = family.encode_prompts(pipe.components, family.tokenize(pipe.components, prompts, 16))
+        assert cond["prompt_embeds_mask"].sum(1).tolist() == [14, 16]
     with torch.no_grad():
         noised = objective.at(x0, noise, indices)
         ours = objective.losses(family.denoise(pipe.transformer, noised.noisy, noised.timesteps, cond, guidance),
                                 noised).mean()
 
         # diffusers' example: timesteps from the density's indices, get_sigmas, x_t, the model call, the loss
+        if name == "qwen_image":  # (the Qwen-Image script loads its scheduler with shift=3.0)
+            scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(pipes["paths"][name], subfolder="scheduler",
+                                                                        shift=3.0)
         timesteps = scheduler.timesteps[indices]
         steps = [(scheduler.timesteps == t).nonzero().item() for t in timesteps]
         sigmas = scheduler.sigmas[steps].flatten().view(-1, 1, 1, 1)
         x_t = (1.0 - sigmas) * x0 + sigmas * noise
         embeds, pooled = pipeline_embeddings(pipe, name, prompts)
-        if name == "flux":
+        if name == "qwen_image":  # 5-D latents [B, C, 1, h, w], frames first for the packing; pooled: the mask
+            vae_scale = pipe.vae_scale_factor
+            packed = QwenImagePipeline._pack_latents(x_t[:, :, None].permute(0, 2, 1, 3, 4), 2, 16, 8, 8)
+            out = pipe.transformer(hidden_states=packed, encoder_hidden_states=embeds,
+                                   encoder_hidden_states_mask=pooled, timestep=timesteps / 1000,
+                                   img_shapes=[(1, 4, 4)] * 2, return_dict=False)[0]
+            pred = QwenImagePipeline._unpack_latents(out, 8 * vae_scale, 8 * vae_scale, vae_scale)[:, :, 0]
+            target = noise - x0
+        elif name == "flux":
             vae_scale = 2 ** (len(pipe.vae.config.block_out_channels) - 1)
             packed = FluxPipeline._pack_latents(x_t, 2, 16, 8, 8)
             out = pipe.transformer(hidden_states=packed, timestep=timesteps / 1000,
@@ -99,18 +159,24 @@ def test_one_batch_loss_equals_diffusers_example(pipes, name, scheme):
 
 
 def test_training_sigmas_are_shifted_for_sd3_not_for_flux(pipes):
-    """SD3's scheduler shifts its training sigmas by its config's shift (3.0); Flux's shifts dynamically, at sampling
-    only: a sigma schedule off by a shift would train every step at the wrong noise level."""
-    for name in ("sd3", "flux"):
+    """SD3's scheduler shifts its training sigmas by its config's shift (3.0); Flux's and Qwen-Image's shift
+    dynamically, at sampling only (diffusers' Qwen-Image script's shift=3.0 changes nothing there): a sigma schedule
+    off by a shift would train every step at the wrong noise level."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    for name in ("sd3", "flux", "qwen_image"):
         scheduler = pipes[name].scheduler.__class__.from_config(pipes[name].scheduler.config)
         objective = make_objective(family_module(name), scheduler, flags(weighting_scheme="none",
                                                                          precondition_outputs=0))
         plain = torch.linspace(1, 1000, 1000).flip(0) / 1000
         shift = scheduler.config.shift
-        expected = plain if name == "flux" else shift * plain / (1 + (shift - 1) * plain)
+        expected = plain if name != "sd3" else shift * plain / (1 + (shift - 1) * plain)
         assert torch.allclose(objective.sigmas, expected, atol=1e-6), name
         assert torch.allclose(objective.timesteps, objective.sigmas * 1000, atol=1e-3)
     assert pipes["sd3"].scheduler.config.shift == 3.0 and pipes["flux"].scheduler.config.use_dynamic_shifting
+    peer = FlowMatchEulerDiscreteScheduler.from_pretrained(pipes["paths"]["qwen_image"], subfolder="scheduler",
+                                                           shift=3.0)
+    assert torch.equal(peer.sigmas, plain) and pipes["qwen_image"].scheduler.config.use_dynamic_shifting
 
 
 @pytest.mark.parametrize("scheme", ["logit_normal", "mode", "none"])
@@ -147,7 +213,7 @@ def test_a_flag_of_the_other_objective_is_refused(name, flag, value):
 
 
 def test_family_defaults_are_diffusers_scripts():
-    for name, scheme, precondition in (("flux", "none", 0), ("sd3", "logit_normal", 1)):
+    for name, scheme, precondition in (("flux", "none", 0), ("sd3", "logit_normal", 1), ("qwen_image", "none", 0)):
         args = flags()
         check_objective_args(args, family_module(name))
         assert (args.weighting_scheme, args.precondition_outputs, args.logit_mean, args.logit_std, args.mode_scale) \
@@ -158,7 +224,7 @@ def test_no_code_outside_the_families_names_a_pipeline_class():
     """The recipes dispatch on common/families/: no other code compares family or pipeline class names."""
     import re
 
-    name = r"""["'](StableDiffusion\w*|Flux\w*|sd|sdxl|sd3|flux)["']"""
+    name = r"""["'](StableDiffusion\w*|Flux\w*|QwenImage\w*|sd|sdxl|sd3|flux|qwen_image)["']"""
     pattern = re.compile(rf"(==|!=|startswith\(|\bin\s*[(\[{{])\s*{name}|{name}\s*(==|!=|\bin\b)")
     offenders = [f"{path.relative_to(ROOT)}:{number}: {line.strip()}"
                  for path in [*ROOT.glob("*.py"), *ROOT.glob("common/*.py")]

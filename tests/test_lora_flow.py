@@ -1,8 +1,9 @@
-"""The flow-matching families end to end on the tiny random-init SD3 and Flux.1 (`make tiny-sd3`, `make tiny-flux`):
-train_lora.py with LoRA on the transformer and the CLIP text encoder(s), its files read back by the pipelines'
-load_lora_weights, an exact resume, two processes, sample.py against the pipeline itself, the validation image
-against sample.py, inspect_pipeline.py's trace, train_text_to_image.py's full fine-tune, a copy of train_lora.py with
-the Flux module alone, and the one-line errors of the flags and files that do not fit these families."""
+"""The flow-matching families end to end on the tiny random-init SD3, Flux.1 and Qwen-Image (`make tiny-sd3`,
+`make tiny-flux`, `make tiny-qwen-image`): train_lora.py with LoRA on the transformer and the CLIP text encoder(s)
+where the family offers it, its files read back by the pipelines' load_lora_weights, an exact resume, two processes,
+sample.py against the pipeline itself, the validation image against sample.py, inspect_pipeline.py's trace,
+train_text_to_image.py's full fine-tune, a copy of train_lora.py with the Flux module alone, and the one-line errors
+of the flags and files that do not fit these families."""
 import json
 import shutil
 
@@ -16,25 +17,40 @@ from safetensors.torch import load_file
 from common.families import family_module
 
 STEPS = ["--max_train_samples", "32", "--train_batch_size", "4", "--max_train_steps", "6", "--checkpointing_steps",
-         "3", "--rank", "4", "--lora_alpha", "8", "--learning_rate", "1e-2", "--text_encoder_lr", "5e-3",
+         "3", "--rank", "4", "--lora_alpha", "8", "--learning_rate", "1e-2", "--resolution", "32",
          "--max_sequence_length", "40", "--caption_dropout_prob", "0.2", "--random_flip", "--logging_steps", "1",
          "--cache_latents"]
+SIZE = ["--height", "32", "--width", "32"]  # sample.py's and inspect_pipeline.py's (Qwen-Image's default is 512 here)
 VALIDATION = ["--validation_prompt", "a handwritten digit seven", "--validation_steps", "6",
               "--num_validation_images", "1", "--validation_inference_steps", "2", "--validation_split", "0.1"]
-PIPELINES = {"flux": "FluxPipeline", "sd3": "StableDiffusion3Pipeline"}
+PIPELINES = {"flux": "FluxPipeline", "sd3": "StableDiffusion3Pipeline", "qwen_image": "QwenImagePipeline"}
+NAMES = list(PIPELINES)
 
 
 @pytest.fixture(scope="module")
-def bases(tiny_flux, tiny_sd3):
-    return {"flux": tiny_flux, "sd3": tiny_sd3}
+def bases(tiny_flux, tiny_sd3, tiny_qwen_image):
+    return {"flux": tiny_flux, "sd3": tiny_sd3, "qwen_image": tiny_qwen_image}
 
 
-@pytest.fixture(scope="module", params=["flux", "sd3"])
+def family_flags(name, base):
+    """The text encoders' LoRA where the family offers it; validation images at the training size (32 px) for a base
+    whose pipeline draws at another size by default (QwenImagePipeline: 128 latents, 512 px here) through the square
+    bucket of --buckets auto."""
+    from common.base_models import component_configs
+
+    family = family_module(name)
+    flags = ["--train_text_encoder", "--text_encoder_lr", "5e-3"] if family.LORA_TEXT_ENCODERS else []
+    if family.native_resolution(component_configs(base, ("vae", family.DENOISER))) != 32:
+        flags += ["--buckets", "auto"]
+    return flags
+
+
+@pytest.fixture(scope="module", params=NAMES)
 def trained(request, bases, digits, tmp_path_factory):
     name = request.param
     out = tmp_path_factory.mktemp(f"lora-{name}") / "run"
     proc = launch("train_lora.py", "--train_data_dir", digits, "--pretrained_model_name_or_path", bases[name],
-                  "--output_dir", out, *STEPS, *VALIDATION, "--train_text_encoder")
+                  "--output_dir", out, *STEPS, *VALIDATION, *family_flags(name, bases[name]))
     (out.parent / "stderr.txt").write_text(proc.stderr)
     return name, bases[name], out
 
@@ -94,7 +110,8 @@ def test_the_lora_loads_back_exactly(trained):
     # the UI file: the same weights under the names ComfyUI reads for this family, each module with its alpha
     ui = load_file(out / "pytorch_lora_weights_kohya.safetensors")
     adapter = load_file(out / "checkpoint-6" / "transformer" / "adapter_model.safetensors")
-    assert adapter and all(torch.equal(ui[f"transformer.{key}"], value) for key, value in adapter.items())
+    prefix = {"qwen_image": "diffusion_model"}.get(name, "transformer")  # (ComfyUI's own names for Qwen-Image)
+    assert adapter and all(torch.equal(ui[f"{prefix}.{key}"], value) for key, value in adapter.items())
     alphas = {key: value for key, value in ui.items() if key.endswith(".alpha")}
     assert alphas and all(value.item() == 8 for value in alphas.values())
     card = (out / "README.md").read_text()
@@ -108,7 +125,7 @@ def test_resume_is_exact(trained, digits, tmp_path):
     resumed.mkdir()
     shutil.copytree(out / "checkpoint-3", resumed / "checkpoint-3")
     launch("train_lora.py", "--train_data_dir", digits, "--pretrained_model_name_or_path", base, "--output_dir",
-           resumed, *STEPS, *VALIDATION, "--train_text_encoder", "--resume_from_checkpoint", "latest")
+           resumed, *STEPS, *VALIDATION, *family_flags(name, base), "--resume_from_checkpoint", "latest")
     full, again = logged_losses(out), logged_losses(resumed)
     assert [again[s] for s in (4, 5, 6)] == [full[s] for s in (4, 5, 6)]
     a, b = load_file(out / "pytorch_lora_weights.safetensors"), load_file(resumed / "pytorch_lora_weights.safetensors")
@@ -124,38 +141,48 @@ def test_sample_py_is_the_pipeline_and_the_validation_image(trained, tmp_path):
     the run drew for its last validation (same prompt, seed, steps, sampler)."""
     name, base, out = trained
     proc = run_script("sample.py", "--model", out, "--prompt", "a handwritten digit seven", "--num_images", "1",
-                      "--num_inference_steps", "2", "--seed", "42", "--output_dir", tmp_path)  # (the run's seed)
+                      "--num_inference_steps", "2", "--seed", "42", "--output_dir", tmp_path, *SIZE)  # (the run's seed)
     assert proc.returncode == 0, proc.stderr[-3000:]
     drawn = pixels(tmp_path / "0000.png")
     params = json.loads(Image.open(tmp_path / "0000.png").text["parameters"])
-    assert params["guidance_scale"] == family_module(name).SAMPLE_GUIDANCE and params["scheduler"] == "euler"
+    family = family_module(name)
+    assert params["guidance_scale"] == family.SAMPLE_GUIDANCE and params["scheduler"] == "euler"
     pipe = pipeline(name, base)
     pipe.load_lora_weights(out)
+    guidance = family.guidance_kwargs(pipe.transformer.config, family.SAMPLE_GUIDANCE, 1)[0]  # (Qwen: true CFG)
     torch.set_num_threads(1)  # as sample.py ran (OMP_NUM_THREADS=1): the same float order
     image = pipe("a handwritten digit seven", num_inference_steps=2, height=32, width=32, max_sequence_length=40,
-                 generator=torch.Generator().manual_seed(42)).images[0]
+                 generator=torch.Generator().manual_seed(42), **guidance).images[0]
     assert params["max_sequence_length"] == 40  # the run's T5 length (lora_info.json), sample.py's default
     assert np.abs(drawn - np.asarray(image).astype(int)).max() <= 1
     assert np.abs(drawn - pixels(out / "samples" / "step-6" / "0-0.png")).max() <= 1
     # the base alone: sample.py's defaults are the pipeline's own (steps aside), at the base's T5 length
     proc = run_script("sample.py", "--model", base, "--prompt", "a handwritten digit seven", "--num_images", "1",
-                      "--num_inference_steps", "2", "--output_dir", tmp_path / "base")
+                      "--num_inference_steps", "2", "--output_dir", tmp_path / "base", *SIZE)
     assert proc.returncode == 0, proc.stderr[-3000:]
     plain = pipeline(name, base)("a handwritten digit seven", num_inference_steps=2, height=32, width=32,
-                                 generator=torch.Generator().manual_seed(0)).images[0]
+                                 generator=torch.Generator().manual_seed(0), **guidance).images[0]
     assert np.abs(pixels(tmp_path / "base" / "0000.png") - np.asarray(plain).astype(int)).max() <= 1
 
 
 def test_inspect_traces_the_flow_pipeline(trained):
     name, base, _ = trained
     proc = run_script("inspect_pipeline.py", base, "--trace", "--json", "--num_inference_steps", "2",
-                      "--prompt", "a handwritten digit seven")
+                      "--prompt", "a handwritten digit seven", *SIZE)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout)
     stages = report["trace"]["stages"]
     schedule = next(s for s in stages if s["stage"] == "scheduler.set_timesteps")
     assert schedule["sigmas"][0] == 1.0 and schedule["sigmas"][-1] == 0.0 and len(schedule["sigmas"]) == 3
     steps = [s for s in stages if s["stage"] == "denoise"]
+    if name == "qwen_image":  # packed 2 x 2 like Flux; the text mask and the latent grid are inputs; true CFG: 2 calls
+        text = [s for s in stages if s["stage"] == "text_encoder"]
+        assert report["vae"]["packed_latent_shape"] == [1, 16, 64] and len(steps) == 2 and report["trace"]["guided"]
+        assert all(len(s["true_cfg_passes"]) == 1 and s["guidance"]["out"] == [1, 16, 64] for s in steps)
+        assert [s["text"] for s in text] == ["prompt", "negative prompt"] and text[0]["last_hidden_state"][2] == 32
+        assert all(s["transformer_in"]["sample"] == [1, 16, 64] and s["transformer_in"]["img_shapes"] == [[[1, 4, 4]]]
+                   and "encoder_hidden_states_mask" not in s["transformer_in"] for s in steps)  # (one prompt: no pad)
+        return
     t5 = next(s for s in stages if s["stage"] == ("text_encoder_2" if name == "flux" else "text_encoder_3"))
     if name == "flux":  # packed 2 x 2: 16 tokens of 64 for an 8 x 8 x 16 latent; the guidance is an input
         assert report["vae"]["packed_latent_shape"] == [1, 16, 64]
@@ -169,7 +196,7 @@ def test_inspect_traces_the_flow_pipeline(trained):
         assert report["trace"]["guided"] and t5["last_hidden_state"] == [1, 256, 96]
 
 
-@pytest.mark.parametrize("name", ["flux", "sd3"])
+@pytest.mark.parametrize("name", NAMES)
 def test_two_processes(name, bases, digits, tmp_path):
     """Two CPU processes: the held-out loss at step 0 is the one-process value (the images are shared out and the
     sums reduced), the run finishes and saves."""
@@ -184,7 +211,7 @@ def test_two_processes(name, bases, digits, tmp_path):
     assert (tmp_path / "two" / "pytorch_lora_weights.safetensors").is_file()
 
 
-@pytest.mark.parametrize("name", ["flux", "sd3"])
+@pytest.mark.parametrize("name", NAMES)
 def test_full_fine_tune_saves_a_pipeline(name, bases, digits, tmp_path):
     """train_text_to_image.py on the transformer (Flux: a fresh one from --transformer_config), with its EMA: the
     output loads with from_pretrained and holds the EMA weights, and samples."""
@@ -193,7 +220,7 @@ def test_full_fine_tune_saves_a_pipeline(name, bases, digits, tmp_path):
     launch("train_text_to_image.py", "--train_data_dir", digits, "--pretrained_model_name_or_path", base,
            "--output_dir", tmp_path / "out", *fresh, "--max_train_samples", "16", "--train_batch_size", "4",
            "--max_train_steps", "4", "--checkpointing_steps", "4", "--use_ema", "--ema_max_decay", "0.9",
-           "--max_sequence_length", "40", "--learning_rate", "1e-3", "--cache_latents")
+           "--max_sequence_length", "40", "--learning_rate", "1e-3", "--cache_latents", "--resolution", "32")
     pipe = pipeline(name, tmp_path / "out")
     raw = load_file(next((tmp_path / "out" / "checkpoint-4" / "transformer").glob("*.safetensors")))
     ema = load_file(next((tmp_path / "out" / "checkpoint-4" / "transformer_ema").glob("*.safetensors")))
@@ -224,6 +251,13 @@ def test_train_lora_copied_with_the_flux_module_alone(tiny_flux, digits, tmp_pat
 
 
 @pytest.fixture(scope="module")
+def qwen_without_tokenizer(tiny_qwen_image, tmp_path_factory):
+    path = tmp_path_factory.mktemp("qwen") / "no-tokenizer"
+    shutil.copytree(tiny_qwen_image, path, ignore=shutil.ignore_patterns("tokenizer"))
+    return path
+
+
+@pytest.fixture(scope="module")
 def sd3_without_t5(tiny_sd3, tmp_path_factory):
     path = tmp_path_factory.mktemp("sd3") / "no-t5"
     shutil.copytree(tiny_sd3, path, ignore=shutil.ignore_patterns("text_encoder_3", "tokenizer_3"))
@@ -245,13 +279,20 @@ BAD = {
     "drop-t5-on-flux": (["--pretrained_model_name_or_path", "{flux}", "--drop_t5"], "--drop_t5", "Flux.1"),
     "nf4-without-bitsandbytes": (["--pretrained_model_name_or_path", "{flux}", "--quantize_base", "nf4"],
                                  "--quantize_base nf4", "bitsandbytes"),
+    "qwen-image-resolution": (["--pretrained_model_name_or_path", "{qwen_image}", "--resolution", "36"],
+                              "--resolution 36", "32 or 40", "packs 2 x 2"),
+    "qwen-image-text-encoder-lora": (["--pretrained_model_name_or_path", "{qwen_image}", "--train_text_encoder"],
+                                     "--train_text_encoder", "Qwen-Image's text encoder"),
+    "qwen-image-without-tokenizer": (["--pretrained_model_name_or_path", "{qwen_no_tokenizer}"],
+                                     "not a Qwen-Image pipeline folder", "no tokenizer"),
 }
 
 
 @pytest.mark.parametrize("case", sorted(BAD))
-def test_bad_input_is_one_line_and_writes_nothing(case, bases, tiny_sd, sd3_without_t5, digits, tmp_path):
+def test_bad_input_is_one_line_and_writes_nothing(case, bases, tiny_sd, sd3_without_t5, qwen_without_tokenizer, digits,
+                                                  tmp_path):
     flags, *needles = BAD[case]
-    paths = {"flux": bases["flux"], "sd3": bases["sd3"], "sd": tiny_sd, "sd3_no_t5": sd3_without_t5}
+    paths = {**bases, "sd": tiny_sd, "sd3_no_t5": sd3_without_t5, "qwen_no_tokenizer": qwen_without_tokenizer}
     flags = [flag.format(**paths) for flag in flags]
     proc = run_script("train_lora.py", "--train_data_dir", digits, "--output_dir", tmp_path / "out", *flags)
     assert_one_line_error(proc, *needles)
@@ -295,3 +336,32 @@ def test_a_lora_of_another_family_is_one_line(bases, tiny_sd, tmp_path):
     proc = run_script("sample.py", "--model", tiny_sd, "--lora", tmp_path / "flux-lora", "--prompt", "x",
                       "--output_dir", tmp_path / "s")
     assert_one_line_error(proc, "Flux.1 LoRA", "Stable Diffusion 1.x/2.x")
+
+
+def test_qwen_image_lora_and_flux_lora_cross_is_one_line(bases, tmp_path):
+    """A Qwen-Image LoRA on Flux.1 and a Flux.1 LoRA on Qwen-Image (their default targets share module names), told
+    from the files' metadata before anything loads; what Qwen-Image refuses in the flags before anything loads."""
+    import argparse
+
+    from peft import LoraConfig
+
+    from common.cli import UserError
+    from common.lora_adapters import check_lora_args
+    from common.lora_files import save_lora_weights
+
+    for name, other in (("qwen_image", "flux"), ("flux", "qwen_image")):
+        family, pipe = family_module(name), pipeline(name, bases[name])
+        pipe.transformer.add_adapter(LoraConfig(r=2, target_modules=["to_q"]))
+        save_lora_weights(str(tmp_path / name), family, {"transformer": pipe.transformer},
+                          {"base_model": str(bases[name]), "rank": 2, "lora_alpha": 2},
+                          metadata=family.base_metadata(pipe.transformer.config, None))
+        proc = run_script("sample.py", "--model", bases[other], "--lora", tmp_path / name, "--prompt", "x",
+                          "--output_dir", tmp_path / "s")
+        assert_one_line_error(proc, f"{family.NAME} LoRA", family_module(other).NAME)
+    qwen = family_module("qwen_image")
+    flags = dict(target_modules=None, offload_ema=False, use_ema=False, adapter="lora", lokr_factor=-1,
+                 use_dora=False, lora_dropout=0.0, quantize_base=None, train_text_encoder=False)
+    with pytest.raises(UserError, match="--text_encoder_lr: LoRA on Qwen-Image's text encoder"):
+        check_lora_args(argparse.Namespace(**flags, text_encoder_lr=1e-4), qwen)
+    with pytest.raises(UserError, match="--max_sequence_length 2000: QwenImagePipeline takes prompts of at most 1024"):
+        qwen.text_length({}, 2000, training=True)

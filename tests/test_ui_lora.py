@@ -371,3 +371,55 @@ def test_sd3_and_flux_text_encoder_names_are_comfyuis(bases, comfyui_keys):
         assert len(modules) == 6 * encoder.config.num_hidden_layers
         for module in modules:
             assert comfyui_keys["sdxl"][module][:2] == [name, [module.removeprefix(f"{name}.")]]
+
+
+@pytest.mark.parametrize("dora", [False, True], ids=["lora", "dora"])
+def test_qwen_image_transformer_names_are_comfyuis(tmp_path, dora):
+    """Qwen-Image's ui_lora on a LoRA over every Linear of diffusers' tiny Qwen-Image transformer (the tiny base's
+    config): each module under ComfyUI's own name for its QwenImage model (`diffusion_model.<module>`, pinned in
+    tests/data/comfyui_lora_keys_qwen_image.json.gz by tests/tools/comfyui_qwen_image.py, which also ran ComfyUI's
+    loader on train_lora.py's files: docs/train_lora.md), mapped onto the weight of the same module and shape, with its
+    alpha and DoRA's magnitudes unswapped (ComfyUI keeps diffusers' scale/shift order in the final norm). diffusers'
+    Qwen-Image loader reads the same file back (alphas as scales) to the trained transformer."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, QwenImagePipeline, QwenImageTransformer2DModel
+    from peft import LoraConfig
+    from peft.utils import get_peft_model_state_dict
+    from safetensors.torch import save_file
+
+    from common.families import qwen_image
+    from demo.tiny_qwen_image import TINY
+
+    with gzip.open(ROOT / "tests" / "data" / "comfyui_lora_keys_qwen_image.json.gz", "rt") as f:
+        comfyui = json.load(f)
+    torch.manual_seed(0)
+    model = QwenImageTransformer2DModel(**TINY["transformer"])
+    layers = {name: m for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    model.add_adapter(LoraConfig(r=4, lora_alpha=2, init_lora_weights="gaussian", target_modules=list(layers),
+                                 use_dora=dora))
+    g = torch.Generator().manual_seed(1)
+    inputs = dict(hidden_states=torch.randn(1, 16, 64, generator=g), encoder_hidden_states=torch.randn(1, 5, 32,
+                  generator=g), timestep=torch.tensor([0.5]), img_shapes=[[(1, 4, 4)]])
+    with torch.no_grad():
+        for key, p in model.named_parameters():
+            if "lora_" in key:
+                p.add_(0.2 * torch.randn_like(p))
+        expected = model(**inputs).sample
+    state = get_peft_model_state_dict(model)
+    weights = qwen_image.ui_lora({"transformer": state}, 2, model.config)
+    names = {key.rsplit(".", 2 if key.endswith(".weight") else 1)[0] for key in weights}
+    assert sorted(names) == sorted(f"diffusion_model.{layer}" for layer in layers) and len(names) == 34
+    for name in names:
+        module = name.removeprefix("diffusion_model.")
+        assert comfyui[name] == [f"{name}.weight", list(layers[module].weight.shape)]
+        assert comfyui[f"transformer.{module}"] == comfyui[name]  # (diffusers' names map there too)
+        assert weights[f"{name}.alpha"].item() / weights[f"{name}.lora_A.weight"].shape[0] == 2 / 4
+        if dora:
+            assert torch.equal(weights[f"{name}.dora_scale"].flatten(), state[f"{module}.lora_magnitude_vector"])
+    if not dora:  # (diffusers drops `dora_scale`)
+        save_file(weights, tmp_path / "ui.safetensors")
+        torch.manual_seed(0)
+        pipe = QwenImagePipeline(FlowMatchEulerDiscreteScheduler(), None, None, None,
+                                 QwenImageTransformer2DModel(**TINY["transformer"]))
+        pipe.load_lora_weights(str(tmp_path / "ui.safetensors"))
+        with torch.no_grad():
+            assert (pipe.transformer(**inputs).sample - expected).abs().max() < 1e-5
