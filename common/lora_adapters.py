@@ -53,6 +53,10 @@ def check_lora_args(args, family):
                         "integer, or -1 for the default")
     if family is None:
         return
+    text_flag = next((f for f in ("train_text_encoder", "text_encoder_lr") if getattr(args, f, None)), None)
+    if text_flag and not family.LORA_TEXT_ENCODERS:
+        raise UserError(f"--{text_flag}: the recipes put no LoRA on {family.NAME}'s text encoder (an LLM of billions "
+                        "of parameters; diffusers' script trains none either): leave it out")
     if args.target_modules is None:
         args.target_modules = comma_list(family.LORA_TARGETS)
     if args.quantize_base and importlib.util.find_spec("bitsandbytes") is None:

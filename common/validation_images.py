@@ -64,7 +64,7 @@ def validation_images(args, accelerator, family, parts, scheduler, step, sizes=N
 def add_validation_image_args(group, validation_steps):
     """The validation-image flags of the text-to-image trainers (diffusers' names); the family gives the defaults
     left None (check_validation_image_args)."""
-    from .args import positive_float, positive_int
+    from .args import non_negative_float, positive_int
     from .diffusion import FLOW_SCHEDULER_CLASSES, SCHEDULER_CLASSES
 
     group.add_argument("--validation_prompt", action="append", default=[], help="Repeatable.")
@@ -74,11 +74,11 @@ def add_validation_image_args(group, validation_steps):
     group.add_argument("--validation_scheduler", default=None,
                        choices=sorted(set(SCHEDULER_CLASSES) | set(FLOW_SCHEDULER_CLASSES)),
                        help="Sampler of the validation images (sample.py's default too): dpm (DPM-Solver++) for SD "
-                            "1.x/2.x and SDXL, euler (the pipelines' flow-matching Euler) for SD3 and Flux.1.")
+                            "1.x/2.x and SDXL, euler (the pipelines' flow-matching Euler) for SD3, Flux.1 and Z-Image.")
     group.add_argument("--validation_inference_steps", type=positive_int, default=20)
-    group.add_argument("--validation_guidance_scale", type=positive_float, default=None,
+    group.add_argument("--validation_guidance_scale", type=non_negative_float, default=None,
                        help="Default: the family's (sample.py's): 7.5 for SD 1.x/2.x and SDXL, 7.0 for SD3, 3.5 for "
-                            "Flux.1 (its guidance embedding).")
+                            "Flux.1 (its guidance embedding), 5.0 for Z-Image (its pipeline's scale: 0 for none).")
 
 
 def check_validation_image_args(args, family):

@@ -1,8 +1,9 @@
-"""The flow-matching families end to end on the tiny random-init SD3 and Flux.1 (`make tiny-sd3`, `make tiny-flux`):
-train_lora.py with LoRA on the transformer and the CLIP text encoder(s), its files read back by the pipelines'
-load_lora_weights, an exact resume, two processes, sample.py against the pipeline itself, the validation image
-against sample.py, inspect_pipeline.py's trace, train_text_to_image.py's full fine-tune, a copy of train_lora.py with
-the Flux module alone, and the one-line errors of the flags and files that do not fit these families."""
+"""The flow-matching families end to end on the tiny random-init SD3, Flux.1 and Z-Image (`make tiny-sd3`, `make
+tiny-flux`, `make tiny-z-image`): train_lora.py with LoRA on the transformer and the CLIP text encoder(s) (none on
+Z-Image's Qwen3), its files read back by the pipelines' load_lora_weights, an exact resume, two processes, sample.py
+against the pipeline itself, the validation image against sample.py, inspect_pipeline.py's trace,
+train_text_to_image.py's full fine-tune, a copy of train_lora.py with the Flux module alone, and the one-line errors of
+the flags and files that do not fit these families."""
 import json
 import shutil
 
@@ -16,25 +17,31 @@ from safetensors.torch import load_file
 from common.families import family_module
 
 STEPS = ["--max_train_samples", "32", "--train_batch_size", "4", "--max_train_steps", "6", "--checkpointing_steps",
-         "3", "--rank", "4", "--lora_alpha", "8", "--learning_rate", "1e-2", "--text_encoder_lr", "5e-3",
-         "--max_sequence_length", "40", "--caption_dropout_prob", "0.2", "--random_flip", "--logging_steps", "1",
-         "--cache_latents"]
+         "3", "--rank", "4", "--lora_alpha", "8", "--learning_rate", "1e-2", "--max_sequence_length", "40",
+         "--caption_dropout_prob", "0.2", "--random_flip", "--logging_steps", "1", "--cache_latents"]
 VALIDATION = ["--validation_prompt", "a handwritten digit seven", "--validation_steps", "6",
               "--num_validation_images", "1", "--validation_inference_steps", "2", "--validation_split", "0.1"]
-PIPELINES = {"flux": "FluxPipeline", "sd3": "StableDiffusion3Pipeline"}
+PIPELINES = {"flux": "FluxPipeline", "sd3": "StableDiffusion3Pipeline", "z_image": "ZImagePipeline"}
+FAMILIES = list(PIPELINES)
+UI_PREFIX = {"flux": "transformer", "sd3": "transformer", "z_image": "diffusion_model"}  # the UI file's, ComfyUI's
+
+
+def text_lora(name):
+    """The text encoders' LoRA flags, for the families that put LoRA on one."""
+    return ["--train_text_encoder", "--text_encoder_lr", "5e-3"] if family_module(name).LORA_TEXT_ENCODERS else []
 
 
 @pytest.fixture(scope="module")
-def bases(tiny_flux, tiny_sd3):
-    return {"flux": tiny_flux, "sd3": tiny_sd3}
+def bases(tiny_flux, tiny_sd3, tiny_z_image):
+    return {"flux": tiny_flux, "sd3": tiny_sd3, "z_image": tiny_z_image}
 
 
-@pytest.fixture(scope="module", params=["flux", "sd3"])
+@pytest.fixture(scope="module", params=FAMILIES)
 def trained(request, bases, digits, tmp_path_factory):
     name = request.param
     out = tmp_path_factory.mktemp(f"lora-{name}") / "run"
     proc = launch("train_lora.py", "--train_data_dir", digits, "--pretrained_model_name_or_path", bases[name],
-                  "--output_dir", out, *STEPS, *VALIDATION, "--train_text_encoder")
+                  "--output_dir", out, *STEPS, *VALIDATION, *text_lora(name))
     (out.parent / "stderr.txt").write_text(proc.stderr)
     return name, bases[name], out
 
@@ -94,7 +101,7 @@ def test_the_lora_loads_back_exactly(trained):
     # the UI file: the same weights under the names ComfyUI reads for this family, each module with its alpha
     ui = load_file(out / "pytorch_lora_weights_kohya.safetensors")
     adapter = load_file(out / "checkpoint-6" / "transformer" / "adapter_model.safetensors")
-    assert adapter and all(torch.equal(ui[f"transformer.{key}"], value) for key, value in adapter.items())
+    assert adapter and all(torch.equal(ui[f"{UI_PREFIX[name]}.{key}"], value) for key, value in adapter.items())
     alphas = {key: value for key, value in ui.items() if key.endswith(".alpha")}
     assert alphas and all(value.item() == 8 for value in alphas.values())
     card = (out / "README.md").read_text()
@@ -108,7 +115,7 @@ def test_resume_is_exact(trained, digits, tmp_path):
     resumed.mkdir()
     shutil.copytree(out / "checkpoint-3", resumed / "checkpoint-3")
     launch("train_lora.py", "--train_data_dir", digits, "--pretrained_model_name_or_path", base, "--output_dir",
-           resumed, *STEPS, *VALIDATION, "--train_text_encoder", "--resume_from_checkpoint", "latest")
+           resumed, *STEPS, *VALIDATION, *text_lora(name), "--resume_from_checkpoint", "latest")
     full, again = logged_losses(out), logged_losses(resumed)
     assert [again[s] for s in (4, 5, 6)] == [full[s] for s in (4, 5, 6)]
     a, b = load_file(out / "pytorch_lora_weights.safetensors"), load_file(resumed / "pytorch_lora_weights.safetensors")
@@ -156,8 +163,14 @@ def test_inspect_traces_the_flow_pipeline(trained):
     schedule = next(s for s in stages if s["stage"] == "scheduler.set_timesteps")
     assert schedule["sigmas"][0] == 1.0 and schedule["sigmas"][-1] == 0.0 and len(schedule["sigmas"]) == 3
     steps = [s for s in stages if s["stage"] == "denoise"]
-    t5 = next(s for s in stages if s["stage"] == ("text_encoder_2" if name == "flux" else "text_encoder_3"))
-    if name == "flux":  # packed 2 x 2: 16 tokens of 64 for an 8 x 8 x 16 latent; the guidance is an input
+    text = {"flux": "text_encoder_2", "sd3": "text_encoder_3", "z_image": "text_encoder"}[name]  # T5, Qwen3
+    t5 = next(s for s in stages if s["stage"] == text)
+    if name == "z_image":  # lists: latents [C, 1, h, w], each prompt's own tokens (Qwen3's penultimate layer)
+        assert all(s["transformer_in"] == {"sample": [2, 16, 1, 8, 8], "encoder_hidden_states": [2, None, 32]}
+                   for s in steps)
+        assert [s["t"] for s in steps] == [0, 0.25]  # (1000 - t) / 1000, as the pipeline gives it
+        assert report["trace"]["guided"] and t5["hidden_states[-2]"] == [1, 512, 32]
+    elif name == "flux":  # packed 2 x 2: 16 tokens of 64 for an 8 x 8 x 16 latent; the guidance is an input
         assert report["vae"]["packed_latent_shape"] == [1, 16, 64]
         assert all(s["transformer_in"]["sample"] == [1, 16, 64] and s["transformer_in"]["img_ids"] == [16, 3]
                    and s["transformer_in"]["guidance"] == {"shape": [1], "value": 3.5}
@@ -169,7 +182,7 @@ def test_inspect_traces_the_flow_pipeline(trained):
         assert report["trace"]["guided"] and t5["last_hidden_state"] == [1, 256, 96]
 
 
-@pytest.mark.parametrize("name", ["flux", "sd3"])
+@pytest.mark.parametrize("name", FAMILIES)
 def test_two_processes(name, bases, digits, tmp_path):
     """Two CPU processes: the held-out loss at step 0 is the one-process value (the images are shared out and the
     sums reduced), the run finishes and saves."""
@@ -184,7 +197,7 @@ def test_two_processes(name, bases, digits, tmp_path):
     assert (tmp_path / "two" / "pytorch_lora_weights.safetensors").is_file()
 
 
-@pytest.mark.parametrize("name", ["flux", "sd3"])
+@pytest.mark.parametrize("name", FAMILIES)
 def test_full_fine_tune_saves_a_pipeline(name, bases, digits, tmp_path):
     """train_text_to_image.py on the transformer (Flux: a fresh one from --transformer_config), with its EMA: the
     output loads with from_pretrained and holds the EMA weights, and samples."""
@@ -245,13 +258,30 @@ BAD = {
     "drop-t5-on-flux": (["--pretrained_model_name_or_path", "{flux}", "--drop_t5"], "--drop_t5", "Flux.1"),
     "nf4-without-bitsandbytes": (["--pretrained_model_name_or_path", "{flux}", "--quantize_base", "nf4"],
                                  "--quantize_base nf4", "bitsandbytes"),
+    "z-image-resolution": (["--pretrained_model_name_or_path", "{z_image}", "--resolution", "36"],
+                           "--resolution 36", "32 or 40", "2 x 2 patches"),
+    "z-image-text-encoder-lora": (["--pretrained_model_name_or_path", "{z_image}", "--train_text_encoder"],
+                                  "--train_text_encoder", "Z-Image's text encoder"),
+    "z-image-without-its-text-encoder": (["--pretrained_model_name_or_path", "{z_image_no_text}"],
+                                         "not a Z-Image pipeline folder", "tokenizer, text_encoder"),
+    "guidance-on-z-image": (["--pretrained_model_name_or_path", "{z_image}", "--guidance_scale", "4"],
+                            "--guidance_scale", "Z-Image"),
 }
 
 
+@pytest.fixture(scope="module")
+def z_image_without_text(tiny_z_image, tmp_path_factory):
+    path = tmp_path_factory.mktemp("z_image") / "no-text"
+    shutil.copytree(tiny_z_image, path, ignore=shutil.ignore_patterns("text_encoder", "tokenizer"))
+    return path
+
+
 @pytest.mark.parametrize("case", sorted(BAD))
-def test_bad_input_is_one_line_and_writes_nothing(case, bases, tiny_sd, sd3_without_t5, digits, tmp_path):
+def test_bad_input_is_one_line_and_writes_nothing(case, bases, tiny_sd, sd3_without_t5, z_image_without_text, digits,
+                                                  tmp_path):
     flags, *needles = BAD[case]
-    paths = {"flux": bases["flux"], "sd3": bases["sd3"], "sd": tiny_sd, "sd3_no_t5": sd3_without_t5}
+    paths = {"flux": bases["flux"], "sd3": bases["sd3"], "sd": tiny_sd, "sd3_no_t5": sd3_without_t5,
+             "z_image": bases["z_image"], "z_image_no_text": z_image_without_text}
     flags = [flag.format(**paths) for flag in flags]
     proc = run_script("train_lora.py", "--train_data_dir", digits, "--output_dir", tmp_path / "out", *flags)
     assert_one_line_error(proc, *needles)
@@ -295,3 +325,24 @@ def test_a_lora_of_another_family_is_one_line(bases, tiny_sd, tmp_path):
     proc = run_script("sample.py", "--model", tiny_sd, "--lora", tmp_path / "flux-lora", "--prompt", "x",
                       "--output_dir", tmp_path / "s")
     assert_one_line_error(proc, "Flux.1 LoRA", "Stable Diffusion 1.x/2.x")
+
+
+def test_a_z_image_lora_on_flux_and_a_flux_lora_on_z_image_are_one_line(bases, tmp_path):
+    """Told apart before anything loads: the Z-Image LoRA by its tensor names alone (no metadata, as ai-toolkit's and
+    others' files come), the Flux.1 LoRA by its metadata."""
+    from peft import LoraConfig
+
+    from common.lora_files import save_lora_weights
+
+    for name, targets, metadata in (("z_image", ["to_q"], False), ("flux", ["attn.to_q"], True)):
+        pipe, family = pipeline(name, bases[name]), family_module(name)
+        pipe.transformer.add_adapter(LoraConfig(r=2, target_modules=targets))
+        save_lora_weights(str(tmp_path / name), family, {"transformer": pipe.transformer},
+                          {"base_model": str(bases[name]), "rank": 2, "lora_alpha": 2},
+                          metadata=family.base_metadata(pipe.transformer.config, None) if metadata else None)
+    proc = run_script("sample.py", "--model", bases["flux"], "--lora", tmp_path / "z_image", "--prompt", "x",
+                      "--output_dir", tmp_path / "s")
+    assert_one_line_error(proc, "Z-Image LoRA", "its key transformer.", "Flux.1")
+    proc = run_script("sample.py", "--model", bases["z_image"], "--lora", tmp_path / "flux", "--prompt", "x",
+                      "--output_dir", tmp_path / "s")
+    assert_one_line_error(proc, "Flux.1 LoRA", "Z-Image")
