@@ -1,8 +1,9 @@
-"""Flow matching (common/objectives.py) and the SD3 / Flux.1 family modules against diffusers' own computation, on the
-tiny random-init builds: one fixed batch, fixed noise and sigmas, the loss as diffusers' train_dreambooth_lora_sd3.py
-and _flux.py compute it (their get_sigmas, x_t, FluxPipeline's packing and ids, the /1000 timestep, SD3's
-preconditioning, compute_loss_weighting_for_sd3), the prompt embeddings as the pipelines' own encode_prompt makes them,
-the training sigmas (SD3's shifted, Flux's not) and the timestep draw; the flags each objective refuses."""
+"""Flow matching (common/objectives.py) and the SD3 / Flux.1 / Z-Image family modules against diffusers' own
+computation, on the tiny random-init builds: one fixed batch, fixed noise and sigmas, the loss as diffusers'
+train_dreambooth_lora_sd3.py, _flux.py and _z_image.py compute it (their get_sigmas, x_t, FluxPipeline's packing and
+ids, the /1000 timestep, SD3's preconditioning, Z-Image's lists, (1000 - t) / 1000 and negated output,
+compute_loss_weighting_for_sd3), the prompt embeddings as the pipelines' own encode_prompt makes them, the training
+sigmas (SD3's and Z-Image's shifted, Flux's not) and the timestep draw; the flags each objective refuses."""
 import argparse
 
 import pytest
@@ -21,16 +22,19 @@ def flags(**given):
 
 
 @pytest.fixture(scope="module")
-def pipes(tiny_flux, tiny_sd3):
+def pipes(tiny_flux, tiny_sd3, tiny_z_image):
     import diffusers
 
     return {"flux": diffusers.FluxPipeline.from_pretrained(tiny_flux),
             "sd3": diffusers.StableDiffusion3Pipeline.from_pretrained(tiny_sd3),
-            "paths": {"flux": tiny_flux, "sd3": tiny_sd3}}
+            "z_image": diffusers.ZImagePipeline.from_pretrained(tiny_z_image),
+            "paths": {"flux": tiny_flux, "sd3": tiny_sd3, "z_image": tiny_z_image}}
 
 
-def pipeline_embeddings(pipe, name, prompts):
-    """The pipeline's own encode_prompt, at T5 length 16."""
+def pipeline_embeddings(pipe, name, prompts, length=16):
+    """The pipeline's own encode_prompt, at T5's (Z-Image: Qwen3's) length 16."""
+    if name == "z_image":  # a list: each prompt's own tokens
+        return pipe.encode_prompt(list(prompts), do_classifier_free_guidance=False, max_sequence_length=length)[0], None
     if name == "flux":
         embeds, pooled, _ = pipe.encode_prompt(prompts, prompt_2=None, max_sequence_length=16)
     else:
@@ -39,16 +43,23 @@ def pipeline_embeddings(pipe, name, prompts):
     return embeds, pooled
 
 
-@pytest.mark.parametrize("name", ["flux", "sd3"])
+@pytest.mark.parametrize("name", ["flux", "sd3", "z_image"])
 def test_prompt_embeddings_are_the_pipelines_own(pipes, name):
     family, pipe = family_module(name), pipes[name]
     prompts = ["a handwritten digit seven", "", "red ink on paper"]
-    ours = family.encode_prompts(pipe.components, family.tokenize(pipe.components, prompts, 16))
-    embeds, pooled = pipeline_embeddings(pipe, name, prompts)
+    length = 24 if name == "z_image" else 16  # (Z-Image: "" in the chat template takes 19 tokens)
+    ours = family.encode_prompts(pipe.components, family.tokenize(pipe.components, prompts, length))
+    embeds, pooled = pipeline_embeddings(pipe, name, prompts, length)
+    if name == "z_image":  # cached padded with a mask (one shape), given back as the pipeline's list
+        kwargs = family.pipeline_prompt_kwargs(ours, None)
+        assert [len(e) for e in embeds] == [24, 19, 24] and ours["prompt_embeds"].shape == (3, 24, 32)
+        assert all(torch.equal(a, b) for a, b in zip(kwargs["prompt_embeds"], embeds, strict=True))
+        return
     assert torch.equal(ours["prompt_embeds"], embeds) and torch.equal(ours["pooled_prompt_embeds"], pooled)
 
 
-@pytest.mark.parametrize("name, scheme", [("flux", None), ("sd3", None), ("sd3", "sigma_sqrt"), ("flux", "cosmap")])
+@pytest.mark.parametrize("name, scheme", [("flux", None), ("sd3", None), ("sd3", "sigma_sqrt"), ("flux", "cosmap"),
+                                          ("z_image", None)])
 def test_one_batch_loss_equals_diffusers_example(pipes, name, scheme):
     """Our objective + family denoiser against the lines of diffusers' example, written out with diffusers' own
     helpers: the same loss to float rounding, for the family's default scheme and a weighted one."""
@@ -77,7 +88,11 @@ def test_one_batch_loss_equals_diffusers_example(pipes, name, scheme):
         sigmas = scheduler.sigmas[steps].flatten().view(-1, 1, 1, 1)
         x_t = (1.0 - sigmas) * x0 + sigmas * noise
         embeds, pooled = pipeline_embeddings(pipe, name, prompts)
-        if name == "flux":
+        if name == "z_image":  # a list of [C, 1, h, w] latents and one of embeddings; (1000 - t) / 1000; negated
+            out = pipe.transformer(list(x_t.unsqueeze(2).unbind(dim=0)), (1000 - timesteps) / 1000, embeds,
+                                   return_dict=False)[0]
+            pred, target = -torch.stack(out, dim=0).squeeze(2), noise - x0
+        elif name == "flux":
             vae_scale = 2 ** (len(pipe.vae.config.block_out_channels) - 1)
             packed = FluxPipeline._pack_latents(x_t, 2, 16, 8, 8)
             out = pipe.transformer(hidden_states=packed, timestep=timesteps / 1000,
@@ -98,10 +113,10 @@ def test_one_batch_loss_equals_diffusers_example(pipes, name, scheme):
         assert not torch.allclose(weighting, torch.ones_like(weighting))
 
 
-def test_training_sigmas_are_shifted_for_sd3_not_for_flux(pipes):
-    """SD3's scheduler shifts its training sigmas by its config's shift (3.0); Flux's shifts dynamically, at sampling
-    only: a sigma schedule off by a shift would train every step at the wrong noise level."""
-    for name in ("sd3", "flux"):
+def test_training_sigmas_are_shifted_for_sd3_and_z_image_not_for_flux(pipes):
+    """SD3's and Z-Image's schedulers shift their training sigmas by their config's shift (3.0); Flux's shifts
+    dynamically, at sampling only: a sigma schedule off by a shift would train every step at the wrong noise level."""
+    for name in ("sd3", "flux", "z_image"):
         scheduler = pipes[name].scheduler.__class__.from_config(pipes[name].scheduler.config)
         objective = make_objective(family_module(name), scheduler, flags(weighting_scheme="none",
                                                                          precondition_outputs=0))
@@ -111,6 +126,7 @@ def test_training_sigmas_are_shifted_for_sd3_not_for_flux(pipes):
         assert torch.allclose(objective.sigmas, expected, atol=1e-6), name
         assert torch.allclose(objective.timesteps, objective.sigmas * 1000, atol=1e-3)
     assert pipes["sd3"].scheduler.config.shift == 3.0 and pipes["flux"].scheduler.config.use_dynamic_shifting
+    assert pipes["z_image"].scheduler.config.shift == 3.0 and not pipes["z_image"].scheduler.config.use_dynamic_shifting
 
 
 @pytest.mark.parametrize("scheme", ["logit_normal", "mode", "none"])
@@ -147,7 +163,7 @@ def test_a_flag_of_the_other_objective_is_refused(name, flag, value):
 
 
 def test_family_defaults_are_diffusers_scripts():
-    for name, scheme, precondition in (("flux", "none", 0), ("sd3", "logit_normal", 1)):
+    for name, scheme, precondition in (("flux", "none", 0), ("sd3", "logit_normal", 1), ("z_image", "none", 0)):
         args = flags()
         check_objective_args(args, family_module(name))
         assert (args.weighting_scheme, args.precondition_outputs, args.logit_mean, args.logit_std, args.mode_scale) \
@@ -158,7 +174,7 @@ def test_no_code_outside_the_families_names_a_pipeline_class():
     """The recipes dispatch on common/families/: no other code compares family or pipeline class names."""
     import re
 
-    name = r"""["'](StableDiffusion\w*|Flux\w*|sd|sdxl|sd3|flux)["']"""
+    name = r"""["'](StableDiffusion\w*|Flux\w*|ZImage\w*|sd|sdxl|sd3|flux|z_image)["']"""
     pattern = re.compile(rf"(==|!=|startswith\(|\bin\s*[(\[{{])\s*{name}|{name}\s*(==|!=|\bin\b)")
     offenders = [f"{path.relative_to(ROOT)}:{number}: {line.strip()}"
                  for path in [*ROOT.glob("*.py"), *ROOT.glob("common/*.py")]
