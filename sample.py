@@ -202,7 +202,7 @@ def sample_pipeline(args):
     """A text-to-image pipeline of a known family (hub id or folder) with --lora PATH[:SCALE]..., or a train_lora.py
     output or checkpoint-N (its base is read from its lora_info.json). Image j of every prompt starts from seed + j."""
     from common.base_models import check_pipeline_folder
-    from common.families import check_lora_base, family_module, family_of
+    from common.families import check_lora_base, family_module, family_of, sampling_defaults
     from common.lora_files import (
         LORA_WEIGHTS,
         PEFT_WEIGHTS,
@@ -299,8 +299,9 @@ def sample_pipeline(args):
     pipe.to(device)
     pipe.set_progress_bar_config(disable=True)
 
-    steps = args.num_inference_steps or family.SAMPLE_STEPS
-    guidance = args.guidance_scale if args.guidance_scale is not None else family.SAMPLE_GUIDANCE
+    defaults = sampling_defaults(family, base, base_version.get("revision"))  # the base's card's, else the family's
+    steps = args.num_inference_steps or defaults["num_inference_steps"]
+    guidance = args.guidance_scale if args.guidance_scale is not None else defaults["guidance_scale"]
     if "max_sequence_length" in family.SAMPLE_FLAGS:  # T5's length: as the LoRA trained, else the base's
         args.max_sequence_length = family.text_length(pipe.components, args.max_sequence_length
                                                       or (info or {}).get("max_sequence_length"))

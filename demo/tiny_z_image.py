@@ -12,9 +12,9 @@ template that writes what Qwen3's writes for user messages (`<|im_start|>user\\n
 `<|im_start|>assistant\\n`, and an empty think block when enable_thinking is false), which the pipeline applies.
 
 32 px images -> 8 x 8 x 16 latents (a 3-level VAE) -> 16 image tokens of 2 x 2 patches; a transformer 32 wide (2 heads
-of 16, RoPE axes 8 + 4 + 4) with 1 noise-refiner, 1 context-refiner and 2 main blocks; a 2-layer Qwen3 32 wide (4
-heads, 2 key-value heads); 1.4 M parameters (the VAE 1.0 M, the transformer 0.36 M: most of it the timestep
-embedder's fixed 1024-wide hidden layer), about 5.5 MB on disk.
+of 16, RoPE axes 8 + 4 + 4) with Z-Image's 2 noise-refiner and 2 context-refiner blocks and 2 main blocks; a 2-layer
+Qwen3 32 wide (4 heads, 2 key-value heads); 1.4 M parameters (the VAE 1.0 M, the transformer 0.39 M: most of it the
+timestep embedder's fixed 1024-wide hidden layer), about 5.6 MB on disk.
 
 Shape rules the configs keep (a violation fails only at the first forward): the transformer's cap_feat_dim = the text
 encoder's hidden_size; in_channels = the VAE's latent channels; dim / n_heads = sum(axes_dims); axes_lens[0] > the
@@ -36,7 +36,7 @@ SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</t
 
 TINY = {
     "transformer": dict(all_patch_size=(2,), all_f_patch_size=(1,), in_channels=16, dim=32, n_layers=2,
-                        n_refiner_layers=1, n_heads=2, n_kv_heads=2, norm_eps=1e-5, qk_norm=True, cap_feat_dim=32,
+                        n_refiner_layers=2, n_heads=2, n_kv_heads=2, norm_eps=1e-5, qk_norm=True, cap_feat_dim=32,
                         rope_theta=256.0, t_scale=1000.0, axes_dims=[8, 4, 4], axes_lens=[1536, 512, 512]),
     "text": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=8, max_position_embeddings=1024, rms_norm_eps=1e-6,

@@ -346,3 +346,23 @@ def test_a_z_image_lora_on_flux_and_a_flux_lora_on_z_image_are_one_line(bases, t
     proc = run_script("sample.py", "--model", bases["z_image"], "--lora", tmp_path / "flux", "--prompt", "x",
                       "--output_dir", tmp_path / "s")
     assert_one_line_error(proc, "Flux.1 LoRA", "Z-Image")
+
+
+def test_sample_py_draws_a_distilled_base_as_its_model_card_says(tiny_z_image, tmp_path):
+    """The tiny Z-Image base with Z-Image-Turbo's model card: sample.py draws with its 9 steps and no guidance (one
+    pass a step), what the pipeline draws given them."""
+    from diffusers import ZImagePipeline
+    from test_families import TURBO_CARD
+
+    base = tmp_path / "turbo"
+    shutil.copytree(tiny_z_image, base)
+    (base / "README.md").write_text(TURBO_CARD)
+    proc = run_script("sample.py", "--model", base, "--prompt", "a handwritten digit seven", "--num_images", "1",
+                      "--output_dir", tmp_path / "s")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    params = json.loads(Image.open(tmp_path / "s" / "0000.png").text["parameters"])
+    assert params["num_inference_steps"] == 9 and params["guidance_scale"] == 0.0
+    torch.set_num_threads(1)  # as sample.py ran (OMP_NUM_THREADS=1): the same float order
+    image = ZImagePipeline.from_pretrained(base)("a handwritten digit seven", num_inference_steps=9, guidance_scale=0.0,
+                                                 height=32, width=32, generator=torch.Generator().manual_seed(0))
+    assert np.abs(pixels(tmp_path / "s" / "0000.png") - np.asarray(image.images[0]).astype(int)).max() <= 1
