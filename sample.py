@@ -7,7 +7,8 @@ guidance, label/prompt); a grid.png sits beside them. The same command gives the
 A train_ddpm.py output or checkpoint (EMA weights when present):
     python sample.py --model outputs/ddpm --class_label all --num_images 4
 A train_lora.py output or checkpoint (its base model is read from its metadata), or a base with LoRAs; every family
-of common/families/ (SD 1.x/2.x, SDXL, SD3, Flux.1, Z-Image), each through its own diffusers pipeline (model_index.json):
+of common/families/ (SD 1.x/2.x, SDXL, SD3, Flux.1, Z-Image), each through its own diffusers pipeline
+(model_index.json):
     python sample.py --model outputs/lora --prompt "a handwritten digit seven"
     python sample.py --model stable-diffusion-v1-5/stable-diffusion-v1-5 --lora outputs/lora:0.8 --prompt "..."
     python sample.py --model models/tiny-sdxl --prompt "a handwritten digit seven" --num_images 4

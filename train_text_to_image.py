@@ -3,7 +3,7 @@
 
 The counterpart of diffusers' train_text_to_image.py, for every family of common/families/ (the base's
 model_index.json says which): Stable Diffusion 1.x/2.x and XL (a UNet on DDPM noise: epsilon, v or x0, min-SNR
-weighting, noise offset), Stable Diffusion 3, Flux.1 and Z-Image (a transformer trained by flow matching). The VAE and the
+weighting, noise offset), Stable Diffusion 3 and Flux.1 (a transformer trained by flow matching). The VAE and the
 text encoders frozen, every denoiser weight trained, the denoiser from the base pipeline or, with --unet_config /
 --transformer_config, a fresh one from a config (training from scratch). Latents (--cache_latents) and every prompt's
 embeddings computed once; caption dropout so that classifier-free guidance works, an EMA of the weights (what gets
