@@ -113,6 +113,21 @@ def test_one_batch_loss_equals_diffusers_example(pipes, name, scheme):
         assert not torch.allclose(weighting, torch.ones_like(weighting))
 
 
+def test_z_image_trains_on_the_latent_distributions_mode(pipes):
+    """diffusers' Z-Image script trains on `(latent_dist.mode() - shift_factor) * scaling_factor`, the Flux and SD3
+    scripts on a sample of the distribution: each family's latent_config says which."""
+    from common.vae import encode_params, sample_latents
+
+    pixels = torch.rand(2, 3, 32, 32, generator=torch.Generator().manual_seed(0)) * 2 - 1
+    for name in ("z_image", "flux"):
+        vae = pipes[name].vae
+        with torch.no_grad():
+            mode = vae.encode(pixels).latent_dist.mode()
+        latents = sample_latents(encode_params(vae, pixels), family_module(name).latent_config(vae))
+        expected = (mode - vae.config.shift_factor) * vae.config.scaling_factor
+        assert torch.allclose(latents, expected, atol=1e-5) == (name == "z_image"), name
+
+
 def test_training_sigmas_are_shifted_for_sd3_and_z_image_not_for_flux(pipes):
     """SD3's and Z-Image's schedulers shift their training sigmas by their config's shift (3.0); Flux's shifts
     dynamically, at sampling only: a sigma schedule off by a shift would train every step at the wrong noise level."""

@@ -162,4 +162,7 @@ def ui_lora(states, alpha, denoiser_config):
     return prefixed_lora(states["transformer"], alpha, "diffusion_model")
 
 
-latent_config = vae_latents
+def latent_config(vae):
+    """The VAE's shift_factor and scaling_factor; trained on the latent distribution's mode, not a sample, as
+    diffusers' Z-Image script does (`latent_dist.mode()`)."""
+    return {**vae_latents(vae), "latent_mode": True}
