@@ -28,7 +28,7 @@ LAUNCH := $(LAUNCH_ENV) $(PY) -m common.launch --config_file $(CONFIG) \
 ARGS ?=
 DIGITS := data/digits/train/metadata.jsonl
 
-.PHONY: install install-extras install-deepspeed lint data env tiny-sd-base tiny-flux-base tiny-sdxl tiny-sd3 tiny-flux tiny-qwen-image train-text-to-image train-classifier train-ddpm sample-ddpm tiny-sd train-lora train-dreambooth sample-lora inspect test clean
+.PHONY: install install-extras install-deepspeed lint data env tiny-sd-base tiny-flux-base tiny-sdxl tiny-sd3 tiny-flux tiny-qwen-image train-text-to-image train-classifier train-ddpm sample-ddpm tiny-sd train-lora train-dreambooth sample-lora inspect test clean tiny-z-image
 
 install: $(VENV)/.installed
 $(VENV)/.installed: requirements.txt
@@ -112,6 +112,13 @@ TINY_QWEN_IMAGE := models/tiny-qwen-image/model_index.json
 tiny-qwen-image: $(TINY_QWEN_IMAGE)
 $(TINY_QWEN_IMAGE): | install
 	$(PY) -m demo.tiny_qwen_image --output_dir models/tiny-qwen-image
+
+# Z-Image (ZImagePipeline: its single-stream transformer, a Qwen3 text encoder with its chat template, Flux.1's VAE
+# layout), the same way (demo/tiny_z_image.py); 32 px images, about 5.5 MB.
+TINY_Z_IMAGE := models/tiny-z-image/model_index.json
+tiny-z-image: $(TINY_Z_IMAGE)
+$(TINY_Z_IMAGE): | install
+	$(PY) -m demo.tiny_z_image --output_dir models/tiny-z-image
 
 # The LoRA demo: the tiny base, the digits captions. One thread per CPU process: the models are small, and on a
 # shared CPU several threads per process spin against each other (see docs/train_lora.md).

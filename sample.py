@@ -7,7 +7,7 @@ guidance, label/prompt); a grid.png sits beside them. The same command gives the
 A train_ddpm.py output or checkpoint (EMA weights when present):
     python sample.py --model outputs/ddpm --class_label all --num_images 4
 A train_lora.py output or checkpoint (its base model is read from its metadata), or a base with LoRAs; every family
-of common/families/ (SD 1.x/2.x, SDXL, SD3, Flux.1, Qwen-Image), each through its own diffusers pipeline
+of common/families/ (SD 1.x/2.x, SDXL, SD3, Flux.1, Qwen-Image, Z-Image), each through its own diffusers pipeline
 (model_index.json):
     python sample.py --model outputs/lora --prompt "a handwritten digit seven"
     python sample.py --model stable-diffusion-v1-5/stable-diffusion-v1-5 --lora outputs/lora:0.8 --prompt "..."
@@ -17,7 +17,7 @@ of common/families/ (SD 1.x/2.x, SDXL, SD3, Flux.1, Qwen-Image), each through it
     python sample.py --model black-forest-labs/FLUX.1-dev --lora outputs/lora-flux --prompt "..." --device cuda \
         --dtype bf16 --height 1024 --width 1024
 
-A copy also needs the module of its base's family: common/families/flux.py, qwen_image.py, sd.py, sd3.py or sdxl.py.
+A copy also needs the module of its base's family, one of common/families/*.py (sd.py for Stable Diffusion 1.x/2.x).
 Copy with: common/__init__.py, common/args.py, common/base_models.py, common/cli.py, common/deepspeed_engine.py, common/diffusion.py, common/drawing.py, common/families/__init__.py, common/lora_files.py, common/objectives.py, common/pipelines.py, common/prompts.py, common/sgm_names.py, common/ui_lora.py, common/vae.py
 """  # noqa: E501 (the copy list stays one line, for grep)
 import json
@@ -29,8 +29,8 @@ from common.args import (
     device_and_dtype,
     is_hub_id,
     make_parser,
+    non_negative_float,
     non_negative_int,
-    positive_float,
     positive_int,
 )
 from common.cli import UserError, first_line, one_line, quiet_loading_bars, run
@@ -42,7 +42,7 @@ def parse_args(argv=None):
     parser = make_parser(__doc__.splitlines()[0])
     parser.add_argument("--model", required=True,
                         help="Output/checkpoint folder of a recipe, or a pipeline (Stable Diffusion 1.x/2.x, XL or 3, "
-                             "Flux.1, Qwen-Image).")
+                             "Flux.1, Qwen-Image, Z-Image).")
     parser.add_argument("--output_dir", default=None, help="Default: <model>/samples.")
     parser.add_argument("--num_images", type=positive_int, default=8, help="Images per label or prompt.")
     parser.add_argument("--batch_size", type=positive_int, default=16)
@@ -54,7 +54,9 @@ def parse_args(argv=None):
                              "Flux.1; built with the noise schedule and prediction type (or shift) the model was "
                              "trained with.")
     parser.add_argument("--num_inference_steps", type=positive_int, default=None)
-    parser.add_argument("--guidance_scale", type=positive_float, default=None)
+    parser.add_argument("--guidance_scale", type=non_negative_float, default=None,
+                        help="Default: the family's pipeline's (Z-Image: its own scale, pos + w (pos - neg), 0 for "
+                             "none, as Z-Image-Turbo draws).")
     add_device_args(parser)
     # DDPM outputs (train_ddpm.py)
     parser.add_argument("--class_label", action="append", default=None,
@@ -63,10 +65,10 @@ def parse_args(argv=None):
                         help="Use the raw weights of a checkpoint, not its EMA (a final output holds only one set).")
     # text-to-image pipelines (train_lora.py and train_text_to_image.py outputs, hub pipelines)
     parser.add_argument("--prompt", action="append", default=None, help="Repeatable.")
-    parser.add_argument("--negative_prompt", default=None, help="SD 1.x/2.x, SDXL, SD3 and Qwen-Image.")
+    parser.add_argument("--negative_prompt", default=None, help="SD 1.x/2.x, SDXL, SD3, Qwen-Image and Z-Image.")
     parser.add_argument("--lora", action="append", default=[],
                         help="PATH[:SCALE], repeatable; made for the base's family (SD 1.x/2.x, SDXL, SD3, Flux.1, "
-                             "Qwen-Image). A train_lora.py LoHa or LoKr (its folder or "
+                             "Qwen-Image, Z-Image). A train_lora.py LoHa or LoKr (its folder or "
                              "peft_adapter_weights.safetensors) loads through peft, as diffusers' load_lora_weights "
                              "cannot read it.")
     parser.add_argument("--lora_scale", type=float, nargs="+", default=[1.0],
@@ -77,8 +79,15 @@ def parse_args(argv=None):
                         help="SD 1.x/2.x and SDXL: text encoder layers to skip, as the diffusers pipelines count them "
                              "(SDXL from its penultimate layer).")
     parser.add_argument("--max_sequence_length", type=positive_int, default=None,
-                        help="SD3 and Flux.1: T5's prompt length (default: the pipeline's, 256 for SD3, 512 for "
-                             "Flux.1); Qwen-Image: the prompt's tokens after its template (512, at most 1024).")
+                        help="SD3 and Flux.1: T5's prompt length, Z-Image: Qwen3's (default: the pipeline's, 256 "
+                             "for SD3, 512 for Flux.1 and Z-Image); Qwen-Image: the prompt's tokens after its template "
+                             "(512, at most 1024).")
+    parser.add_argument("--cfg_normalization", type=non_negative_float, default=None,
+                        help="Z-Image: each guided prediction's norm kept at most this times the conditional one's (0, "
+                             "the default: not limited).")
+    parser.add_argument("--cfg_truncation", type=non_negative_float, default=None,
+                        help="Z-Image: no guidance once the denoising is past this fraction of the way (default 1: "
+                             "guidance throughout).")
     parser.add_argument("--drop_t5", action="store_true",
                         help="SD3: draw without its T5 text encoder (zeros in its place); a folder without "
                              "text_encoder_3/ needs it.")
@@ -186,15 +195,17 @@ def sample_ddpm(args):
 
 
 # sample.py's flags that only some families' pipelines take (common/families/: SAMPLE_FLAGS)
-FAMILY_FLAGS = ("negative_prompt", "guidance_rescale", "clip_skip", "max_sequence_length", "drop_t5")
-DEFAULTS = {"negative_prompt": "", "guidance_rescale": 0.0}  # the pipelines' own, written into the images' metadata
+FAMILY_FLAGS = ("negative_prompt", "guidance_rescale", "clip_skip", "max_sequence_length", "drop_t5",
+                "cfg_normalization", "cfg_truncation")
+# the pipelines' own, written into the images' metadata
+DEFAULTS = {"negative_prompt": "", "guidance_rescale": 0.0, "cfg_normalization": 0.0, "cfg_truncation": 1.0}
 
 
 def sample_pipeline(args):
     """A text-to-image pipeline of a known family (hub id or folder) with --lora PATH[:SCALE]..., or a train_lora.py
     output or checkpoint-N (its base is read from its lora_info.json). Image j of every prompt starts from seed + j."""
     from common.base_models import check_pipeline_folder
-    from common.families import check_lora_base, family_module, family_of
+    from common.families import check_lora_base, family_module, family_of, sampling_defaults
     from common.lora_files import (
         LORA_WEIGHTS,
         PEFT_WEIGHTS,
@@ -291,8 +302,9 @@ def sample_pipeline(args):
     pipe.to(device)
     pipe.set_progress_bar_config(disable=True)
 
-    steps = args.num_inference_steps or family.SAMPLE_STEPS
-    guidance = args.guidance_scale if args.guidance_scale is not None else family.SAMPLE_GUIDANCE
+    defaults = sampling_defaults(family, base, base_version.get("revision"))  # the base's card's, else the family's
+    steps = args.num_inference_steps or defaults["num_inference_steps"]
+    guidance = args.guidance_scale if args.guidance_scale is not None else defaults["guidance_scale"]
     if "max_sequence_length" in family.SAMPLE_FLAGS:  # T5's length: as the LoRA trained, else the base's
         args.max_sequence_length = family.text_length(pipe.components, args.max_sequence_length
                                                       or (info or {}).get("max_sequence_length"))

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Fine-tune a text-to-image diffusion model with LoRA (peft) on captioned images, the accelerate way.
 
-SD 1.x/2.x and XL (a UNet on DDPM noise), SD 3 and Flux.1 (transformers trained by flow matching): the base's
+SD 1.x/2.x and XL (a UNet on DDPM noise), SD 3, Flux.1, Z-Image (transformers trained by flow matching): the base's
 model_index.json names its family, whose module (common/families/) loads it, embeds prompts (SDXL: two CLIPs, pooled
 embedding, each image's size "time ids"; SD3: two CLIPs and T5; Flux.1: CLIP pooled, T5, packed latents, guidance
 input) and calls its denoiser. The denoiser frozen, LoRA (init_lora_weights="gaussian") on its attention projections
@@ -46,7 +46,7 @@ DreamBooth with prior preservation (diffusers' flags; the base draws the missing
         --class_data_dir dog-class --class_prompt "a photo of a dog" --num_class_images 200   (make train-dreambooth)
 Then:  python sample.py --model outputs/lora-naruto --prompt "a girl with pink hair"
 
-A copy also needs the module of its base's family: common/families/flux.py, qwen_image.py, sd.py, sd3.py or sdxl.py.
+A copy also needs the module of its base's family, one of common/families/*.py (sd.py for Stable Diffusion 1.x/2.x).
 Copy with: common/__init__.py, common/args.py, common/base_models.py, common/block_swap.py, common/buckets.py, common/caption_files.py, common/checkpoints.py, common/cli.py, common/deepspeed_engine.py, common/diffusion.py, common/distributed.py, common/drawing.py, common/dreambooth.py, common/families/__init__.py, common/float8_base.py, common/fsdp.py, common/image_data.py, common/lora_adapters.py, common/lora_files.py, common/lora_metadata.py, common/loss_masks.py, common/objectives.py, common/optimizers.py, common/preemption.py, common/prompts.py, common/reporting.py, common/sgm_names.py, common/training.py, common/ui_lora.py, common/vae.py, common/validation_images.py, common/validation_loss.py
 """  # noqa: E501 (the copy list stays one line, for grep)
 import math
@@ -117,7 +117,7 @@ def parse_args(argv=None):
     add_adapter_args(g)  # --adapter lora|loha|lokr, --lokr_factor
     g.add_argument("--train_text_encoder", action="store_true",
                    help="Also LoRA on the CLIP text encoders' attention projections (SDXL and SD3: both CLIPs; "
-                        "Flux.1: its CLIP; never T5 nor Qwen-Image's LLM).")
+                        "Flux.1: its CLIP; never T5, nor the LLMs of Qwen-Image and Z-Image).")
     g.add_argument("--text_encoder_lr", type=positive_float, default=None, help="Default: --learning_rate.")
     g = parser.add_argument_group("EMA of the LoRA weights")
     add_ema_args(g)

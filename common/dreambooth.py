@@ -165,6 +165,7 @@ def draw_class_images(args, accelerator, family, dtype, names):
     from .cli import quiet_loading_bars
     from .diffusion import sampling_scheduler
     from .drawing import draw_images, load_pipeline
+    from .families import sampling_defaults
 
     quiet_loading_bars()
     pipe = load_pipeline(family, args.pretrained_model_name_or_path, "--pretrained_model_name_or_path", dtype,
@@ -172,6 +173,7 @@ def draw_class_images(args, accelerator, family, dtype, names):
     pipe.scheduler = sampling_scheduler(family.SAMPLER, pipe.scheduler.config, family.SAMPLERS)
     pipe.set_progress_bar_config(disable=True)
     pipe.to(accelerator.device)
+    defaults = sampling_defaults(family, args.pretrained_model_name_or_path, args.revision, args.cache_dir)
     kwargs = {}
     if "max_sequence_length" in family.SAMPLE_FLAGS:
         kwargs["max_sequence_length"] = family.text_length(pipe.components, args.max_sequence_length)
@@ -179,7 +181,8 @@ def draw_class_images(args, accelerator, family, dtype, names):
     mine = []
     for batch in batches[accelerator.process_index::accelerator.num_processes]:
         images = draw_images(pipe, family, [args.class_prompt] * len(batch), [args.seed + n for n, _ in batch],
-                             args.resolution, args.resolution, family.SAMPLE_STEPS, family.SAMPLE_GUIDANCE, **kwargs)
+                             args.resolution, args.resolution, defaults["num_inference_steps"],
+                             defaults["guidance_scale"], **kwargs)
         for (_, name), image in zip(batch, images):
             data = io.BytesIO()
             image.save(data, format="PNG")

@@ -64,10 +64,11 @@ def check_lora_args(args, family):
         check_float8()
     if family is None:
         return
-    if not family.LORA_TEXT_ENCODERS and (args.train_text_encoder or args.text_encoder_lr):
-        flag = "--train_text_encoder" if args.train_text_encoder else "--text_encoder_lr"
-        raise UserError(f"{flag}: LoRA on {family.NAME}'s text encoder (an LLM of billions of parameters) is not "
-                        "offered; leave it out (the transformer's LoRA trains alone)")
+    text_flag = next((f for f in ("train_text_encoder", "text_encoder_lr") if getattr(args, f, None)), None)
+    if text_flag and not family.LORA_TEXT_ENCODERS:
+        raise UserError(f"--{text_flag}: LoRA on {family.NAME}'s text encoder (an LLM of billions of parameters; "
+                        "diffusers' script trains none either) is not offered; leave it out (the transformer's LoRA "
+                        "trains alone)")
     if args.target_modules is None:
         args.target_modules = comma_list(family.LORA_TARGETS)
     if args.quantize_base == "nf4" and importlib.util.find_spec("bitsandbytes") is None:

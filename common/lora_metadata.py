@@ -52,6 +52,8 @@ def lora_card(args, info, family, steps, last_loss, ema, prompt):
     """The model card's (title, summary, facts, usage) for common/reporting.py's write_model_card: what was trained on
     what, and how to load it (family: the base's family module; ema: the exported weights are the EMA ones; prompt:
     the usage example's)."""
+    from .families import card_sampling
+
     base = args.pretrained_model_name_or_path
     pipeline_class = family.PIPELINE
     summary = (f"Trained with train_lora.py on `{args.dataset_name or args.train_data_dir}` for {steps} optimizer "
@@ -75,8 +77,11 @@ def lora_card(args, info, family, steps, last_loss, ema, prompt):
         return f"{facts['adapter'].split()[0]} for {base}", summary, facts, (
             "# diffusers' load_lora_weights cannot read it; sample.py loads it through peft:\n"
             f'# python sample.py --model {args.output_dir} --prompt "{prompt}"')
+    # a distilled base's steps and guidance, as its model card draws (the pipeline's defaults would not)
+    drawing = "".join(f", {key}={value!r}" for key, value in card_sampling(
+        base, args.revision, getattr(args, "cache_dir", None)).items())
     usage = (f"from diffusers import {pipeline_class}\n"
              f'pipe = {pipeline_class}.from_pretrained("{info["base_model"]}")\n'
              f'pipe.load_lora_weights("{args.output_dir}")\n'
-             f'image = pipe("{prompt}").images[0]')
+             f'image = pipe("{prompt}"{drawing}).images[0]')
     return f"LoRA for {base}", summary, facts, usage

@@ -16,7 +16,13 @@ from .vae import decode_fp32
 
 # ---------------------------------------------------------------------------------------------- the recorder
 def shape(x):
-    """A tensor's shape as a JSON-able list; None for anything else."""
+    """A tensor's shape as a JSON-able list; a list of tensors (Z-Image's transformer takes and returns them) as
+    [items, *their shape], None where their sizes differ; None for anything else."""
+    if isinstance(x, (list, tuple)) and x and all(hasattr(item, "shape") for item in x):
+        sizes = [list(item.shape) for item in x]
+        return [len(x), *(d if all(s == d for s in sizes_at) else None
+                          for d, *sizes_at in zip(sizes[0], *sizes[1:]))] if len({len(s) for s in sizes}) == 1 \
+            else None
     return list(x.shape) if hasattr(x, "shape") else None
 
 

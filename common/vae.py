@@ -91,11 +91,13 @@ def denormalize(vae_config, latents):
 
 
 def sample_latents(params, vae_config):
-    """Latents drawn from the distribution's parameters (each step afresh, for training), normalized. Contiguous:
-    randn_like draws differ for channels-last tensors."""
+    """Latents drawn from the distribution's parameters (each step afresh, for training), normalized; its mode (the
+    mean) instead when the family's latent_config says `latent_mode` (diffusers' Z-Image script trains on it).
+    Contiguous: randn_like draws differ for channels-last tensors."""
     from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
 
-    return normalize(vae_config, DiagonalGaussianDistribution(params.float().contiguous()).sample())
+    distribution = DiagonalGaussianDistribution(params.float().contiguous())
+    return normalize(vae_config, distribution.mode() if vae_config.get("latent_mode") else distribution.sample())
 
 
 def mean_latents(params, vae_config):

@@ -64,7 +64,7 @@ def validation_images(args, accelerator, family, parts, scheduler, step, sizes=N
 def add_validation_image_args(group, validation_steps):
     """The validation-image flags of the text-to-image trainers (diffusers' names); the family gives the defaults
     left None (check_validation_image_args)."""
-    from .args import positive_float, positive_int
+    from .args import non_negative_float, positive_int
     from .diffusion import FLOW_SCHEDULER_CLASSES, SCHEDULER_CLASSES
 
     group.add_argument("--validation_prompt", action="append", default=[], help="Repeatable.")
@@ -74,20 +74,24 @@ def add_validation_image_args(group, validation_steps):
     group.add_argument("--validation_scheduler", default=None,
                        choices=sorted(set(SCHEDULER_CLASSES) | set(FLOW_SCHEDULER_CLASSES)),
                        help="Sampler of the validation images (sample.py's default too): dpm (DPM-Solver++) for SD "
-                            "1.x/2.x and SDXL, euler (the pipelines' flow-matching Euler) for SD3, Flux.1 and "
-                            "Qwen-Image.")
+                            "1.x/2.x and SDXL, euler (the pipelines' flow-matching Euler) for SD3, Flux.1, Qwen-Image "
+                            "and Z-Image.")
     group.add_argument("--validation_inference_steps", type=positive_int, default=20)
-    group.add_argument("--validation_guidance_scale", type=positive_float, default=None,
-                       help="Default: the family's (sample.py's): 7.5 for SD 1.x/2.x and SDXL, 7.0 for SD3, 3.5 for "
-                            "Flux.1 (its guidance embedding), 4.0 for Qwen-Image (true CFG).")
+    group.add_argument("--validation_guidance_scale", type=non_negative_float, default=None,
+                       help="Default: sample.py's: the base's model card's, else the family's: 7.5 for SD 1.x/2.x and "
+                            "SDXL, 7.0 for SD3, 3.5 for Flux.1 (its guidance embedding), 4.0 for Qwen-Image (true "
+                            "CFG), 5.0 for Z-Image (its pipeline's scale: 0 for none).")
 
 
 def check_validation_image_args(args, family):
-    """The sampler must be one of the family's; the family's guidance by default."""
+    """The sampler must be one of the family's; the base's guidance by default (sample.py's: its model card's, else
+    the family's)."""
     from .cli import UserError
+    from .families import sampling_defaults
 
     if args.validation_scheduler and args.validation_scheduler not in family.SAMPLERS:
         raise UserError(f"--validation_scheduler {args.validation_scheduler}: {family.NAME} bases sample with "
                         f"{', '.join(sorted(family.SAMPLERS))}")
     if args.validation_guidance_scale is None:
-        args.validation_guidance_scale = family.SAMPLE_GUIDANCE
+        args.validation_guidance_scale = sampling_defaults(family, args.pretrained_model_name_or_path, args.revision,
+                                                           args.cache_dir)["guidance_scale"]

@@ -215,3 +215,13 @@ def tiny_qwen_image(tmp_path_factory):
     path = tmp_path_factory.mktemp("models") / "tiny-qwen-image"
     write_tiny_qwen_image(str(path))
     return path
+
+
+@pytest.fixture(scope="session")
+def tiny_z_image(tmp_path_factory):
+    """The tiny random-init Z-Image pipeline of `make tiny-z-image`, built once per test session."""
+    from demo.tiny_z_image import write_tiny_z_image
+
+    path = tmp_path_factory.mktemp("models") / "tiny-z-image"
+    write_tiny_z_image(str(path))
+    return path

@@ -48,3 +48,38 @@ def test_a_lora_files_family_is_read_from_its_metadata(name):
         assert lora_family({key: prefixes[0] + "-something"}, [])[0] == name
     for prefix in module.LORA_KEY_PREFIXES:
         assert lora_family({}, [prefix + "0.lora_A.weight"])[0] == name
+
+
+TURBO_CARD = """# Z-Image-Turbo
+```python
+image = pipe(
+    prompt=prompt,
+    height=1024,
+    width=1024,
+    num_inference_steps=9,  # This actually results in 8 DiT forwards
+    guidance_scale=0.0,     # Guidance should be 0 for the Turbo models
+).images[0]
+```
+"""
+
+
+def test_a_distilled_bases_sampling_defaults_come_from_its_model_card(tmp_path):
+    """Z-Image-Turbo's card draws with 9 steps and no guidance: sample.py's defaults, the validation images' and the
+    LoRA card's snippet follow it; a base whose card names neither (or that has none) draws with the family's."""
+    from types import SimpleNamespace
+
+    from common.families import card_sampling, sampling_defaults
+    from common.lora_metadata import lora_card
+
+    z_image = family_module("z_image")
+    (tmp_path / "turbo").mkdir()
+    (tmp_path / "turbo" / "README.md").write_text(TURBO_CARD)
+    assert card_sampling(str(tmp_path / "turbo")) == {"num_inference_steps": 9, "guidance_scale": 0.0}
+    assert sampling_defaults(z_image, str(tmp_path / "turbo")) == {"num_inference_steps": 9, "guidance_scale": 0.0}
+    assert sampling_defaults(z_image, str(tmp_path)) == {"num_inference_steps": 50, "guidance_scale": 5.0}
+    args = SimpleNamespace(pretrained_model_name_or_path=str(tmp_path / "turbo"), revision=None, cache_dir=None,
+                           dataset_name=None, train_data_dir="data", output_dir="out", resolution=1024, rank=8,
+                           lora_alpha=8, target_modules=["to_q"], train_text_encoder=False, caption_prefix=None,
+                           validation_prompt=[], use_dora=False, adapter="lora")
+    usage = lora_card(args, {"base_model": str(tmp_path / "turbo")}, z_image, 10, 0.1, False, "a cat")[3]
+    assert 'pipe("a cat", num_inference_steps=9, guidance_scale=0.0)' in usage

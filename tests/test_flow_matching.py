@@ -1,9 +1,10 @@
-"""Flow matching (common/objectives.py) and the SD3 / Flux.1 / Qwen-Image family modules against diffusers' own
-computation, on the tiny random-init builds: one fixed batch, fixed noise and sigmas, the loss as diffusers'
-train_dreambooth_lora_sd3.py, _flux.py and _qwen_image.py compute it (their get_sigmas, x_t, the pipelines' packing,
-ids and img_shapes, the /1000 timestep, SD3's preconditioning, compute_loss_weighting_for_sd3), the prompt embeddings
-as the pipelines' own encode_prompt makes them, the training sigmas (SD3's shifted, Flux's and Qwen-Image's not) and
-the timestep draw; the flags each objective refuses."""
+"""Flow matching (common/objectives.py) and the SD3 / Flux.1 / Qwen-Image / Z-Image family modules against diffusers'
+own computation, on the tiny random-init builds: one fixed batch, fixed noise and sigmas, the loss as diffusers'
+train_dreambooth_lora_sd3.py, _flux.py, _qwen_image.py and _z_image.py compute it (their get_sigmas, x_t, the
+pipelines' packing, ids and img_shapes, the /1000 timestep, SD3's preconditioning, Z-Image's lists, (1000 - t) / 1000
+and negated output, compute_loss_weighting_for_sd3), the prompt embeddings as the pipelines' own encode_prompt makes
+them, the training sigmas (SD3's and Z-Image's shifted, Flux's and Qwen-Image's not) and the timestep draw; the flags
+each objective refuses."""
 import argparse
 
 import pytest
@@ -22,20 +23,23 @@ def flags(**given):
 
 
 @pytest.fixture(scope="module")
-def pipes(tiny_flux, tiny_sd3, tiny_qwen_image):
+def pipes(tiny_flux, tiny_sd3, tiny_qwen_image, tiny_z_image):
     import diffusers
 
     return {"flux": diffusers.FluxPipeline.from_pretrained(tiny_flux),
             "sd3": diffusers.StableDiffusion3Pipeline.from_pretrained(tiny_sd3),
             "qwen_image": diffusers.QwenImagePipeline.from_pretrained(tiny_qwen_image),
-            "paths": {"flux": tiny_flux, "sd3": tiny_sd3, "qwen_image": tiny_qwen_image}}
+            "z_image": diffusers.ZImagePipeline.from_pretrained(tiny_z_image),
+            "paths": {"flux": tiny_flux, "sd3": tiny_sd3, "qwen_image": tiny_qwen_image, "z_image": tiny_z_image}}
 
 
-def pipeline_embeddings(pipe, name, prompts):
-    """The pipeline's own encode_prompt, at T5 length 16 (Qwen-Image: 16 tokens after the template's; -> the
-    embeddings and their mask, None when no prompt is padded)."""
+def pipeline_embeddings(pipe, name, prompts, length=16):
+    """The pipeline's own encode_prompt, at T5's (Z-Image: Qwen3's) length 16 (Qwen-Image: 16 tokens after the
+    template's; -> the embeddings and their mask, None when no prompt is padded)."""
     if name == "qwen_image":
         return pipe.encode_prompt(prompts, max_sequence_length=16)
+    if name == "z_image":  # a list: each prompt's own tokens
+        return pipe.encode_prompt(list(prompts), do_classifier_free_guidance=False, max_sequence_length=length)[0], None
     if name == "flux":
         embeds, pooled, _ = pipe.encode_prompt(prompts, prompt_2=None, max_sequence_length=16)
     else:
@@ -44,12 +48,18 @@ def pipeline_embeddings(pipe, name, prompts):
     return embeds, pooled
 
 
-@pytest.mark.parametrize("name", ["flux", "sd3"])
+@pytest.mark.parametrize("name", ["flux", "sd3", "z_image"])
 def test_prompt_embeddings_are_the_pipelines_own(pipes, name):
     family, pipe = family_module(name), pipes[name]
     prompts = ["a handwritten digit seven", "", "red ink on paper"]
-    ours = family.encode_prompts(pipe.components, family.tokenize(pipe.components, prompts, 16))
-    embeds, pooled = pipeline_embeddings(pipe, name, prompts)
+    length = 24 if name == "z_image" else 16  # (Z-Image: "" in the chat template takes 19 tokens)
+    ours = family.encode_prompts(pipe.components, family.tokenize(pipe.components, prompts, length))
+    embeds, pooled = pipeline_embeddings(pipe, name, prompts, length)
+    if name == "z_image":  # cached padded with a mask (one shape), given back as the pipeline's list
+        kwargs = family.pipeline_prompt_kwargs(ours, None)
+        assert [len(e) for e in embeds] == [24, 19, 24] and ours["prompt_embeds"].shape == (3, 24, 32)
+        assert all(torch.equal(a, b) for a, b in zip(kwargs["prompt_embeds"], embeds, strict=True))
+        return
     assert torch.equal(ours["prompt_embeds"], embeds) and torch.equal(ours["pooled_prompt_embeds"], pooled)
 
 
@@ -93,7 +103,7 @@ def test_qwen_image_latents_are_the_scripts_and_decode_as_the_pipeline(pipes):
 
 
 @pytest.mark.parametrize("name, scheme", [("flux", None), ("sd3", None), ("sd3", "sigma_sqrt"), ("flux", "cosmap"),
-                                          ("qwen_image", None), ("qwen_image", "sigma_sqrt")])
+                                          ("qwen_image", None), ("qwen_image", "sigma_sqrt"), ("z_image", None)])
 def test_one_batch_loss_equals_diffusers_example(pipes, name, scheme):
     """Our objective + family denoiser against the lines of diffusers' example, written out with diffusers' own
     helpers: the same loss to float rounding, for the family's default scheme and a weighted one."""
@@ -137,6 +147,10 @@ def test_one_batch_loss_equals_diffusers_example(pipes, name, scheme):
                                    img_shapes=[(1, 4, 4)] * 2, return_dict=False)[0]
             pred = QwenImagePipeline._unpack_latents(out, 8 * vae_scale, 8 * vae_scale, vae_scale)[:, :, 0]
             target = noise - x0
+        elif name == "z_image":  # a list of [C, 1, h, w] latents and one of embeddings; (1000 - t) / 1000; negated
+            out = pipe.transformer(list(x_t.unsqueeze(2).unbind(dim=0)), (1000 - timesteps) / 1000, embeds,
+                                   return_dict=False)[0]
+            pred, target = -torch.stack(out, dim=0).squeeze(2), noise - x0
         elif name == "flux":
             vae_scale = 2 ** (len(pipe.vae.config.block_out_channels) - 1)
             packed = FluxPipeline._pack_latents(x_t, 2, 16, 8, 8)
@@ -158,25 +172,41 @@ def test_one_batch_loss_equals_diffusers_example(pipes, name, scheme):
         assert not torch.allclose(weighting, torch.ones_like(weighting))
 
 
-def test_training_sigmas_are_shifted_for_sd3_not_for_flux(pipes):
-    """SD3's scheduler shifts its training sigmas by its config's shift (3.0); Flux's and Qwen-Image's shift
-    dynamically, at sampling only (diffusers' Qwen-Image script's shift=3.0 changes nothing there): a sigma schedule
-    off by a shift would train every step at the wrong noise level."""
+def test_z_image_trains_on_the_latent_distributions_mode(pipes):
+    """diffusers' Z-Image script trains on `(latent_dist.mode() - shift_factor) * scaling_factor`, the Flux and SD3
+    scripts on a sample of the distribution: each family's latent_config says which."""
+    from common.vae import encode_params, sample_latents
+
+    pixels = torch.rand(2, 3, 32, 32, generator=torch.Generator().manual_seed(0)) * 2 - 1
+    for name in ("z_image", "flux"):
+        vae = pipes[name].vae
+        with torch.no_grad():
+            mode = vae.encode(pixels).latent_dist.mode()
+        latents = sample_latents(encode_params(vae, pixels), family_module(name).latent_config(vae))
+        expected = (mode - vae.config.shift_factor) * vae.config.scaling_factor
+        assert torch.allclose(latents, expected, atol=1e-5) == (name == "z_image"), name
+
+
+def test_training_sigmas_are_shifted_for_sd3_and_z_image_not_for_flux(pipes):
+    """SD3's and Z-Image's schedulers shift their training sigmas by their config's shift (3.0); Flux's and
+    Qwen-Image's shift dynamically, at sampling only (diffusers' Qwen-Image script's shift=3.0 changes nothing there): a
+    sigma schedule off by a shift would train every step at the wrong noise level."""
     from diffusers import FlowMatchEulerDiscreteScheduler
 
-    for name in ("sd3", "flux", "qwen_image"):
+    for name in ("sd3", "flux", "qwen_image", "z_image"):
         scheduler = pipes[name].scheduler.__class__.from_config(pipes[name].scheduler.config)
         objective = make_objective(family_module(name), scheduler, flags(weighting_scheme="none",
                                                                          precondition_outputs=0))
         plain = torch.linspace(1, 1000, 1000).flip(0) / 1000
         shift = scheduler.config.shift
-        expected = plain if name != "sd3" else shift * plain / (1 + (shift - 1) * plain)
+        expected = shift * plain / (1 + (shift - 1) * plain) if name in ("sd3", "z_image") else plain
         assert torch.allclose(objective.sigmas, expected, atol=1e-6), name
         assert torch.allclose(objective.timesteps, objective.sigmas * 1000, atol=1e-3)
     assert pipes["sd3"].scheduler.config.shift == 3.0 and pipes["flux"].scheduler.config.use_dynamic_shifting
     peer = FlowMatchEulerDiscreteScheduler.from_pretrained(pipes["paths"]["qwen_image"], subfolder="scheduler",
                                                            shift=3.0)
     assert torch.equal(peer.sigmas, plain) and pipes["qwen_image"].scheduler.config.use_dynamic_shifting
+    assert pipes["z_image"].scheduler.config.shift == 3.0 and not pipes["z_image"].scheduler.config.use_dynamic_shifting
 
 
 @pytest.mark.parametrize("scheme", ["logit_normal", "mode", "none"])
@@ -213,7 +243,8 @@ def test_a_flag_of_the_other_objective_is_refused(name, flag, value):
 
 
 def test_family_defaults_are_diffusers_scripts():
-    for name, scheme, precondition in (("flux", "none", 0), ("sd3", "logit_normal", 1), ("qwen_image", "none", 0)):
+    for name, scheme, precondition in (("flux", "none", 0), ("sd3", "logit_normal", 1), ("qwen_image", "none", 0),
+                                       ("z_image", "none", 0)):
         args = flags()
         check_objective_args(args, family_module(name))
         assert (args.weighting_scheme, args.precondition_outputs, args.logit_mean, args.logit_std, args.mode_scale) \
@@ -224,7 +255,7 @@ def test_no_code_outside_the_families_names_a_pipeline_class():
     """The recipes dispatch on common/families/: no other code compares family or pipeline class names."""
     import re
 
-    name = r"""["'](StableDiffusion\w*|Flux\w*|QwenImage\w*|sd|sdxl|sd3|flux|qwen_image)["']"""
+    name = r"""["'](StableDiffusion\w*|Flux\w*|QwenImage\w*|ZImage\w*|sd|sdxl|sd3|flux|qwen_image|z_image)["']"""
     pattern = re.compile(rf"(==|!=|startswith\(|\bin\s*[(\[{{])\s*{name}|{name}\s*(==|!=|\bin\b)")
     offenders = [f"{path.relative_to(ROOT)}:{number}: {line.strip()}"
                  for path in [*ROOT.glob("*.py"), *ROOT.glob("common/*.py")]

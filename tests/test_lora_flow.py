@@ -1,9 +1,10 @@
-"""The flow-matching families end to end on the tiny random-init SD3, Flux.1 and Qwen-Image (`make tiny-sd3`,
-`make tiny-flux`, `make tiny-qwen-image`): train_lora.py with LoRA on the transformer and the CLIP text encoder(s)
-where the family offers it, its files read back by the pipelines' load_lora_weights, an exact resume, two processes,
-sample.py against the pipeline itself, the validation image against sample.py, inspect_pipeline.py's trace,
-train_text_to_image.py's full fine-tune, a copy of train_lora.py with the Flux module alone, and the one-line errors
-of the flags and files that do not fit these families."""
+"""The flow-matching families end to end on the tiny random-init SD3, Flux.1, Qwen-Image and Z-Image (`make tiny-sd3`,
+`make tiny-flux`, `make tiny-qwen-image`, `make tiny-z-image`): train_lora.py with LoRA on the transformer and the
+CLIP text encoder(s) where the family offers it (none on the LLMs of Qwen-Image and Z-Image), its files read back by
+the pipelines' load_lora_weights, an exact resume, two processes, sample.py against the pipeline itself, the
+validation image against sample.py, inspect_pipeline.py's trace, train_text_to_image.py's full fine-tune, a copy of
+train_lora.py with the Flux module alone, and the one-line errors of the flags and files that do not fit these
+families."""
 import json
 import shutil
 
@@ -23,13 +24,16 @@ STEPS = ["--max_train_samples", "32", "--train_batch_size", "4", "--max_train_st
 SIZE = ["--height", "32", "--width", "32"]  # sample.py's and inspect_pipeline.py's (Qwen-Image's default is 512 here)
 VALIDATION = ["--validation_prompt", "a handwritten digit seven", "--validation_steps", "6",
               "--num_validation_images", "1", "--validation_inference_steps", "2", "--validation_split", "0.1"]
-PIPELINES = {"flux": "FluxPipeline", "sd3": "StableDiffusion3Pipeline", "qwen_image": "QwenImagePipeline"}
-NAMES = list(PIPELINES)
+PIPELINES = {"flux": "FluxPipeline", "sd3": "StableDiffusion3Pipeline", "qwen_image": "QwenImagePipeline",
+             "z_image": "ZImagePipeline"}
+NAMES = FAMILIES = list(PIPELINES)
+UI_PREFIX = {"flux": "transformer", "sd3": "transformer", "qwen_image": "diffusion_model",
+             "z_image": "diffusion_model"}  # the UI file's: ComfyUI's own names where it has no diffusers branch
 
 
 @pytest.fixture(scope="module")
-def bases(tiny_flux, tiny_sd3, tiny_qwen_image):
-    return {"flux": tiny_flux, "sd3": tiny_sd3, "qwen_image": tiny_qwen_image}
+def bases(tiny_flux, tiny_sd3, tiny_qwen_image, tiny_z_image):
+    return {"flux": tiny_flux, "sd3": tiny_sd3, "qwen_image": tiny_qwen_image, "z_image": tiny_z_image}
 
 
 def family_flags(name, base):
@@ -43,6 +47,11 @@ def family_flags(name, base):
     if family.native_resolution(component_configs(base, ("vae", family.DENOISER))) != 32:
         flags += ["--buckets", "auto"]
     return flags
+
+
+def text_lora(name):
+    """The text encoders' LoRA flags, for the families that put LoRA on one."""
+    return ["--train_text_encoder", "--text_encoder_lr", "5e-3"] if family_module(name).LORA_TEXT_ENCODERS else []
 
 
 @pytest.fixture(scope="module", params=NAMES)
@@ -110,8 +119,7 @@ def test_the_lora_loads_back_exactly(trained):
     # the UI file: the same weights under the names ComfyUI reads for this family, each module with its alpha
     ui = load_file(out / "pytorch_lora_weights_kohya.safetensors")
     adapter = load_file(out / "checkpoint-6" / "transformer" / "adapter_model.safetensors")
-    prefix = {"qwen_image": "diffusion_model"}.get(name, "transformer")  # (ComfyUI's own names for Qwen-Image)
-    assert adapter and all(torch.equal(ui[f"{prefix}.{key}"], value) for key, value in adapter.items())
+    assert adapter and all(torch.equal(ui[f"{UI_PREFIX[name]}.{key}"], value) for key, value in adapter.items())
     alphas = {key: value for key, value in ui.items() if key.endswith(".alpha")}
     assert alphas and all(value.item() == 8 for value in alphas.values())
     card = (out / "README.md").read_text()
@@ -183,8 +191,14 @@ def test_inspect_traces_the_flow_pipeline(trained):
         assert all(s["transformer_in"]["sample"] == [1, 16, 64] and s["transformer_in"]["img_shapes"] == [[[1, 4, 4]]]
                    and "encoder_hidden_states_mask" not in s["transformer_in"] for s in steps)  # (one prompt: no pad)
         return
-    t5 = next(s for s in stages if s["stage"] == ("text_encoder_2" if name == "flux" else "text_encoder_3"))
-    if name == "flux":  # packed 2 x 2: 16 tokens of 64 for an 8 x 8 x 16 latent; the guidance is an input
+    text = {"flux": "text_encoder_2", "sd3": "text_encoder_3", "z_image": "text_encoder"}[name]  # T5, Qwen3
+    t5 = next(s for s in stages if s["stage"] == text)
+    if name == "z_image":  # lists: latents [C, 1, h, w], each prompt's own tokens (Qwen3's penultimate layer)
+        assert all(s["transformer_in"] == {"sample": [2, 16, 1, 8, 8], "encoder_hidden_states": [2, None, 32]}
+                   for s in steps)
+        assert [s["t"] for s in steps] == [0, 0.25]  # (1000 - t) / 1000, as the pipeline gives it
+        assert report["trace"]["guided"] and t5["hidden_states[-2]"] == [1, 512, 32]
+    elif name == "flux":  # packed 2 x 2: 16 tokens of 64 for an 8 x 8 x 16 latent; the guidance is an input
         assert report["vae"]["packed_latent_shape"] == [1, 16, 64]
         assert all(s["transformer_in"]["sample"] == [1, 16, 64] and s["transformer_in"]["img_ids"] == [16, 3]
                    and s["transformer_in"]["guidance"] == {"shape": [1], "value": 3.5}
@@ -285,14 +299,30 @@ BAD = {
                                      "--train_text_encoder", "Qwen-Image's text encoder"),
     "qwen-image-without-tokenizer": (["--pretrained_model_name_or_path", "{qwen_no_tokenizer}"],
                                      "not a Qwen-Image pipeline folder", "no tokenizer"),
+    "z-image-resolution": (["--pretrained_model_name_or_path", "{z_image}", "--resolution", "36"],
+                           "--resolution 36", "32 or 40", "2 x 2 patches"),
+    "z-image-text-encoder-lora": (["--pretrained_model_name_or_path", "{z_image}", "--train_text_encoder"],
+                                  "--train_text_encoder", "Z-Image's text encoder"),
+    "z-image-without-its-text-encoder": (["--pretrained_model_name_or_path", "{z_image_no_text}"],
+                                         "not a Z-Image pipeline folder", "tokenizer, text_encoder"),
+    "guidance-on-z-image": (["--pretrained_model_name_or_path", "{z_image}", "--guidance_scale", "4"],
+                            "--guidance_scale", "Z-Image"),
 }
 
 
+@pytest.fixture(scope="module")
+def z_image_without_text(tiny_z_image, tmp_path_factory):
+    path = tmp_path_factory.mktemp("z_image") / "no-text"
+    shutil.copytree(tiny_z_image, path, ignore=shutil.ignore_patterns("text_encoder", "tokenizer"))
+    return path
+
+
 @pytest.mark.parametrize("case", sorted(BAD))
-def test_bad_input_is_one_line_and_writes_nothing(case, bases, tiny_sd, sd3_without_t5, qwen_without_tokenizer, digits,
-                                                  tmp_path):
+def test_bad_input_is_one_line_and_writes_nothing(case, bases, tiny_sd, sd3_without_t5, qwen_without_tokenizer,
+                                                  z_image_without_text, digits, tmp_path):
     flags, *needles = BAD[case]
-    paths = {**bases, "sd": tiny_sd, "sd3_no_t5": sd3_without_t5, "qwen_no_tokenizer": qwen_without_tokenizer}
+    paths = {**bases, "sd": tiny_sd, "sd3_no_t5": sd3_without_t5, "qwen_no_tokenizer": qwen_without_tokenizer,
+             "z_image_no_text": z_image_without_text}
     flags = [flag.format(**paths) for flag in flags]
     proc = run_script("train_lora.py", "--train_data_dir", digits, "--output_dir", tmp_path / "out", *flags)
     assert_one_line_error(proc, *needles)
@@ -365,3 +395,44 @@ def test_qwen_image_lora_and_flux_lora_cross_is_one_line(bases, tmp_path):
         check_lora_args(argparse.Namespace(**flags, text_encoder_lr=1e-4), qwen)
     with pytest.raises(UserError, match="--max_sequence_length 2000: QwenImagePipeline takes prompts of at most 1024"):
         qwen.text_length({}, 2000, training=True)
+
+
+def test_a_z_image_lora_on_flux_and_a_flux_lora_on_z_image_are_one_line(bases, tmp_path):
+    """Told apart before anything loads: the Z-Image LoRA by its tensor names alone (no metadata, as ai-toolkit's and
+    others' files come), the Flux.1 LoRA by its metadata."""
+    from peft import LoraConfig
+
+    from common.lora_files import save_lora_weights
+
+    for name, targets, metadata in (("z_image", ["to_q"], False), ("flux", ["attn.to_q"], True)):
+        pipe, family = pipeline(name, bases[name]), family_module(name)
+        pipe.transformer.add_adapter(LoraConfig(r=2, target_modules=targets))
+        save_lora_weights(str(tmp_path / name), family, {"transformer": pipe.transformer},
+                          {"base_model": str(bases[name]), "rank": 2, "lora_alpha": 2},
+                          metadata=family.base_metadata(pipe.transformer.config, None) if metadata else None)
+    proc = run_script("sample.py", "--model", bases["flux"], "--lora", tmp_path / "z_image", "--prompt", "x",
+                      "--output_dir", tmp_path / "s")
+    assert_one_line_error(proc, "Z-Image LoRA", "its key transformer.", "Flux.1")
+    proc = run_script("sample.py", "--model", bases["z_image"], "--lora", tmp_path / "flux", "--prompt", "x",
+                      "--output_dir", tmp_path / "s")
+    assert_one_line_error(proc, "Flux.1 LoRA", "Z-Image")
+
+
+def test_sample_py_draws_a_distilled_base_as_its_model_card_says(tiny_z_image, tmp_path):
+    """The tiny Z-Image base with Z-Image-Turbo's model card: sample.py draws with its 9 steps and no guidance (one
+    pass a step), what the pipeline draws given them."""
+    from diffusers import ZImagePipeline
+    from test_families import TURBO_CARD
+
+    base = tmp_path / "turbo"
+    shutil.copytree(tiny_z_image, base)
+    (base / "README.md").write_text(TURBO_CARD)
+    proc = run_script("sample.py", "--model", base, "--prompt", "a handwritten digit seven", "--num_images", "1",
+                      "--output_dir", tmp_path / "s")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    params = json.loads(Image.open(tmp_path / "s" / "0000.png").text["parameters"])
+    assert params["num_inference_steps"] == 9 and params["guidance_scale"] == 0.0
+    torch.set_num_threads(1)  # as sample.py ran (OMP_NUM_THREADS=1): the same float order
+    image = ZImagePipeline.from_pretrained(base)("a handwritten digit seven", num_inference_steps=9, guidance_scale=0.0,
+                                                 height=32, width=32, generator=torch.Generator().manual_seed(0))
+    assert np.abs(pixels(tmp_path / "s" / "0000.png") - np.asarray(image.images[0]).astype(int)).max() <= 1

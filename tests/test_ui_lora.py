@@ -423,3 +423,63 @@ def test_qwen_image_transformer_names_are_comfyuis(tmp_path, dora):
         pipe.load_lora_weights(str(tmp_path / "ui.safetensors"))
         with torch.no_grad():
             assert (pipe.transformer(**inputs).sample - expected).abs().max() < 1e-5
+
+
+@pytest.fixture(scope="module")
+def comfyui_z_image_keys():
+    """ComfyUI's Z-Image LoRA names (tests/tools/comfyui_z_image.py: model_lora_keys_unet on ComfyUI's own ZImage
+    model, loaded through its UNETLoader path): {"diffusion_model.<module>": [ComfyUI's weight, the slice of it]}."""
+    with gzip.open(ROOT / "tests" / "data" / "comfyui_lora_keys_z_image.json.gz", "rt") as f:
+        return json.load(f)
+
+
+@pytest.mark.parametrize("dora", [False, True], ids=["lora", "dora"])
+def test_z_image_transformer_names_are_comfyuis(comfyui_z_image_keys, tmp_path, dora):
+    """z_image.ui_lora on a LoRA over every Linear of the tiny build's Z-Image transformer (Z-Image's block layout: 2
+    noise- and 2 context-refiner blocks, here 2 main ones): each module under a name ComfyUI maps, its alpha; to_q,
+    to_k and to_v each onto its third of ComfyUI's fused qkv weight, in that order. diffusers' Z-Image loader reads the
+    same file back (its `.alpha` tensors as scales) to the trained transformer (DoRA aside: it drops `dora_scale`)."""
+    from diffusers import ZImagePipeline, ZImageTransformer2DModel
+    from peft import LoraConfig
+    from peft.utils import get_peft_model_state_dict
+    from safetensors.torch import save_file
+
+    from common.families import z_image
+    from demo.tiny_z_image import TINY
+
+    def tiny():
+        torch.manual_seed(0)
+        return ZImageTransformer2DModel(**TINY["transformer"])
+
+    g = torch.Generator().manual_seed(1)
+    x, caption = [torch.randn(16, 1, 8, 8, generator=g)], [torch.randn(20, 32, generator=g)]
+    model = tiny()
+    layers = [name for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+    model.add_adapter(LoraConfig(r=4, lora_alpha=2, init_lora_weights="gaussian", target_modules=layers,
+                                 use_dora=dora))
+    with torch.no_grad():
+        for key, p in model.named_parameters():
+            if "lora_" in key:
+                p.add_(0.2 * torch.randn_like(p))
+        expected = model(x, torch.tensor([0.4]), caption, return_dict=False)[0][0]
+    weights = z_image.ui_lora({"transformer": get_peft_model_state_dict(model)}, 2, model.config)
+    names = {key.rsplit(".", 2 if key.endswith(".weight") else 1)[0] for key in weights}
+    assert sorted(names) == sorted(f"diffusion_model.{layer}" for layer in layers)
+    assert names <= set(comfyui_z_image_keys)
+    for name in names:
+        assert weights[f"{name}.alpha"].item() / weights[f"{name}.lora_A.weight"].shape[0] == 2 / 4
+        target, part = comfyui_z_image_keys[name]
+        if name.endswith((".to_q", ".to_k", ".to_v")):
+            assert target.endswith(".attention.qkv.weight") and part[0] == 0
+            assert part[1] // part[2] == "qkv".index(name[-1])
+        else:
+            assert part is None
+        assert ("dora_scale" in str(sorted(k for k in weights if k.startswith(name + ".")))) == dora
+    save_file(weights, tmp_path / "ui.safetensors")
+    if not dora:
+        fresh = tiny()
+        state_dict = ZImagePipeline.lora_state_dict(str(tmp_path / "ui.safetensors"))
+        ZImagePipeline.load_lora_into_transformer(state_dict, fresh)
+        with torch.no_grad():
+            got = fresh(x, torch.tensor([0.4]), caption, return_dict=False)[0][0]
+        assert (got - expected).abs().max() < 1e-5

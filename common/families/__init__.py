@@ -18,7 +18,7 @@ from ..cli import UserError, first_line
 # The most specific family first: a LoRA file that names no base is matched against the families in this order.
 # Everything else about a family (its name, denoiser, the names in its LoRA files) is in its own module.
 FAMILIES = {"StableDiffusionXLPipeline": "sdxl", "FluxPipeline": "flux", "StableDiffusion3Pipeline": "sd3",
-            "StableDiffusionPipeline": "sd", "QwenImagePipeline": "qwen_image"}
+            "QwenImagePipeline": "qwen_image", "ZImagePipeline": "z_image", "StableDiffusionPipeline": "sd"}
 UNET_PREFIXES = ("unet.", "lora_unet_down_blocks_", "lora_unet_up_blocks_", "lora_unet_mid_block_")
 TRANSFORMER_PREFIXES = ("transformer.", "lora_transformer_")
 
@@ -147,6 +147,37 @@ def check_lora_base(flag, path, metadata, keys, base, base_family):
         raise UserError(f"{flag} '{path}' is a {family_name(family)} LoRA ({why}), but the base model '{base}' is "
                         f"{family_name(base_family)}; give a LoRA made for this base, or a {family_name(family)} "
                         "base")
+
+
+def card_sampling(path, revision=None, cache_dir=None):
+    """What a base's model card (README.md) passes its pipeline in its example code, {"num_inference_steps",
+    "guidance_scale"} (those it names): how a distilled base draws (Z-Image-Turbo: 9 steps, guidance 0). A hub base's
+    card is fetched alone; without one (offline), {}."""
+    import re
+
+    try:
+        card = os.path.join(path, "README.md")
+        if not os.path.isdir(path):
+            from huggingface_hub import hf_hub_download
+
+            card = hf_hub_download(path, "README.md", revision=revision, cache_dir=cache_dir)
+        with open(card, encoding="utf-8") as f:
+            text = f.read()
+    except (OSError, ValueError):
+        return {}
+    found = {}
+    for key, number, kind in (("num_inference_steps", r"\d+", int), ("guidance_scale", r"\d+(?:\.\d+)?", float)):
+        match = re.search(rf"\b{key}\s*=\s*({number})\b", text)
+        if match:
+            found[key] = kind(match.group(1))
+    return found
+
+
+def sampling_defaults(family, path, revision=None, cache_dir=None):
+    """{"num_inference_steps", "guidance_scale"} a base draws with by default (sample.py's, the validation images'):
+    its model card's (card_sampling), else the family's (its pipeline's own)."""
+    return {"num_inference_steps": family.SAMPLE_STEPS, "guidance_scale": family.SAMPLE_GUIDANCE,
+            **card_sampling(path, revision, cache_dir)}
 
 
 # What several families share, named by each family module that has it (`guidance_kwargs = classifier_free_guidance`).

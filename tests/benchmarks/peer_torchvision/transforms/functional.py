@@ -1,5 +1,5 @@
-"""torchvision.transforms.functional on a PIL image, as diffusers' example scripts call it: crop, resize, center_crop,
-hflip, to_tensor, normalize."""
+"""torchvision.transforms.functional on a PIL image: crop, and the resize, center_crop, hflip, to_tensor and normalize
+of the newer scripts (diffusers' Z-Image and others), as the transforms classes of the package compute them."""
 
 
 def crop(image, top, left, height, width):
@@ -7,23 +7,15 @@ def crop(image, top, left, height, width):
 
 
 def resize(image, size, interpolation=None):
-    """size: (height, width), or an int for the shorter side (the aspect kept)."""
-    from PIL import Image
+    from . import InterpolationMode, Resize
 
-    w, h = image.size
-    if isinstance(size, int):
-        scale = size / min(w, h)
-        target = (max(size, round(w * scale)), max(size, round(h * scale)))
-    else:
-        target = (size[1], size[0])
-    resample = getattr(interpolation, "value", Image.BILINEAR)
-    return image if target == (w, h) else image.resize(target, resample)
+    return Resize(size, interpolation or InterpolationMode.BILINEAR)(image)
 
 
-def center_crop(image, output_size):
-    h, w = (output_size, output_size) if isinstance(output_size, int) else tuple(output_size)
-    top, left = int(round((image.height - h) / 2.0)), int(round((image.width - w) / 2.0))
-    return crop(image, top, left, h, w)
+def center_crop(image, size):
+    from . import CenterCrop
+
+    return CenterCrop(size)(image)
 
 
 def hflip(image):
@@ -33,18 +25,12 @@ def hflip(image):
 
 
 def to_tensor(image):
-    """PIL -> float [C, H, W] in [0, 1]."""
-    import numpy as np
-    import torch
+    from . import ToTensor
 
-    array = np.asarray(image, dtype=np.float32) / 255.0
-    array = array[:, :, None] if array.ndim == 2 else array
-    return torch.from_numpy(array.copy()).permute(2, 0, 1)
+    return ToTensor()(image)
 
 
 def normalize(tensor, mean, std):
-    import torch
+    from . import Normalize
 
-    mean = torch.tensor(mean, dtype=tensor.dtype).view(-1, 1, 1)
-    std = torch.tensor(std, dtype=tensor.dtype).view(-1, 1, 1)
-    return (tensor - mean) / std
+    return Normalize(mean, std)(tensor)
