@@ -28,7 +28,7 @@ LAUNCH := $(LAUNCH_ENV) $(PY) -m common.launch --config_file $(CONFIG) \
 ARGS ?=
 DIGITS := data/digits/train/metadata.jsonl
 
-.PHONY: install install-extras install-deepspeed lint data env tiny-sd-base tiny-flux-base tiny-sdxl tiny-sd3 tiny-flux train-text-to-image train-classifier train-ddpm sample-ddpm tiny-sd train-lora train-dreambooth sample-lora inspect test clean
+.PHONY: install install-extras install-deepspeed lint data env tiny-sd-base tiny-flux-base tiny-sdxl tiny-sd3 tiny-flux tiny-flux2-klein tiny-flux2 train-text-to-image train-classifier train-ddpm sample-ddpm tiny-sd train-lora train-dreambooth sample-lora inspect test clean
 
 install: $(VENV)/.installed
 $(VENV)/.installed: requirements.txt
@@ -98,6 +98,18 @@ TINY_FLUX := models/tiny-flux/model_index.json
 tiny-flux: $(TINY_FLUX)
 $(TINY_FLUX): | install
 	$(PY) -m demo.tiny_sd --architecture tiny-flux --output_dir models/tiny-flux
+
+# FLUX.2 (demo/tiny_flux2.py): klein (Flux2KleinPipeline: a Qwen3 text encoder) and dev (Flux2Pipeline: Mistral3,
+# a guidance embedding), each with FLUX.2's transformer, its 2 x 2-patch VAE and the scheduler; 32 px, about 4 MB.
+TINY_FLUX2_KLEIN := models/tiny-flux2-klein/model_index.json
+tiny-flux2-klein: $(TINY_FLUX2_KLEIN)
+$(TINY_FLUX2_KLEIN): | install
+	$(PY) -m demo.tiny_flux2 --variant klein --output_dir models/tiny-flux2-klein
+
+TINY_FLUX2 := models/tiny-flux2/model_index.json
+tiny-flux2: $(TINY_FLUX2)
+$(TINY_FLUX2): | install
+	$(PY) -m demo.tiny_flux2 --variant dev --output_dir models/tiny-flux2
 
 # The LoRA demo: the tiny base, the digits captions. One thread per CPU process: the models are small, and on a
 # shared CPU several threads per process spin against each other (see docs/train_lora.md).

@@ -183,9 +183,11 @@ def trace_sd(pipe, args, rec, generator, steps_kept):
     name = "unet" if hasattr(pipe, "unet") else "transformer"
     watch_denoiser(rec, getattr(pipe, name), pipe.scheduler, steps_kept, name)
     shift = f" + shift_factor {pipe.vae.config.shift_factor}" if pipe.vae.config.get("shift_factor") else ""
+    scaled = (f"latents / scaling_factor {pipe.vae.config.scaling_factor}{shift}" if "scaling_factor" in pipe.vae.config
+              else "latents as the pipeline denormalized them")  # (FLUX.2: by the VAE's batch-norm statistics)
     rec.wrap(pipe.vae, "decode", lambda a, kw, out, ms, start: rec.add(
         "vae.decode", ms, latents=shape(a[0] if a else kw["z"]), image=shape(out[0]),
-        note=f"in: latents / scaling_factor {pipe.vae.config.scaling_factor}{shift}; out: pixels in [-1, 1]"))
+        note=f"in: {scaled}; out: pixels in [-1, 1]"))
     rec.wrap(pipe.image_processor, "postprocess", lambda a, kw, out, ms, start: rec.add(
         "image_processor.postprocess", ms, image=shape(a[0] if a else kw["image"]),
         output=f"{len(out)} x {type(out[0]).__name__} {getattr(out[0], 'size', '')}"))
@@ -198,7 +200,7 @@ def trace_sd(pipe, args, rec, generator, steps_kept):
     inputs = [k for k in ("latents", "prompt_embeds", "add_text_embeds", "add_time_ids")
               if k in getattr(pipe, "_callback_tensor_inputs", [])]
     try:
-        images = pipe(args.prompt, num_inference_steps=args.num_inference_steps, height=height, width=width,
+        images = pipe(prompt=args.prompt, num_inference_steps=args.num_inference_steps, height=height, width=width,
                       **pipeline_guidance(pipe, args.guidance_scale, args.num_images),
                       num_images_per_prompt=args.num_images, generator=generator, callback_on_step_end=on_step_end,
                       callback_on_step_end_tensor_inputs=inputs).images

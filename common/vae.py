@@ -88,10 +88,13 @@ def denormalize(vae_config, latents):
 
 
 def sample_latents(params, vae_config):
-    """Latents drawn from the distribution's parameters (each step afresh, for training), normalized. Contiguous:
-    randn_like draws differ for channels-last tensors."""
+    """Latents drawn from the distribution's parameters (each step afresh, for training), normalized; its mode when
+    the config says `sample_posterior` False (FLUX.2's training scripts take the mode). Contiguous: randn_like draws
+    differ for channels-last tensors."""
     from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
 
+    if vae_config.get("sample_posterior", True) is False:
+        return normalize(vae_config, params.float().chunk(2, dim=1)[0])
     return normalize(vae_config, DiagonalGaussianDistribution(params.float().contiguous()).sample())
 
 
