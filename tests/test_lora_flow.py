@@ -1,8 +1,11 @@
-"""The flow-matching families end to end on the tiny random-init SD3 and Flux.1 (`make tiny-sd3`, `make tiny-flux`):
-train_lora.py with LoRA on the transformer and the CLIP text encoder(s), its files read back by the pipelines'
-load_lora_weights, an exact resume, two processes, sample.py against the pipeline itself, the validation image
-against sample.py, inspect_pipeline.py's trace, train_text_to_image.py's full fine-tune, a copy of train_lora.py with
-the Flux module alone, and the one-line errors of the flags and files that do not fit these families."""
+"""The flow-matching families end to end on the tiny random-init SD3, Flux.1 and FLUX.2 klein and dev (`make
+tiny-sd3`, `make tiny-flux`, `make tiny-flux2-klein`, `make tiny-flux2`): train_lora.py with LoRA on the transformer
+and the CLIP text encoder(s) where the family has them, its files read back by the pipelines' load_lora_weights, an
+exact resume, two processes, sample.py against the pipeline itself, the validation image against sample.py,
+inspect_pipeline.py's trace, train_text_to_image.py's full fine-tune, a copy of train_lora.py with one family module
+alone, and the one-line errors of the flags and files that do not fit these families. FLUX.2 dev shares everything
+with klein but its text encoder and guidance input: it joins the tests of those (training, loading back, resume,
+sampling, the trace), not the multi-process and full fine-tune runs."""
 import json
 import shutil
 
@@ -16,25 +19,30 @@ from safetensors.torch import load_file
 from common.families import family_module
 
 STEPS = ["--max_train_samples", "32", "--train_batch_size", "4", "--max_train_steps", "6", "--checkpointing_steps",
-         "3", "--rank", "4", "--lora_alpha", "8", "--learning_rate", "1e-2", "--text_encoder_lr", "5e-3",
-         "--max_sequence_length", "40", "--caption_dropout_prob", "0.2", "--random_flip", "--logging_steps", "1",
-         "--cache_latents"]
+         "3", "--rank", "4", "--lora_alpha", "8", "--learning_rate", "1e-2", "--max_sequence_length", "40",
+         "--caption_dropout_prob", "0.2", "--random_flip", "--logging_steps", "1", "--cache_latents"]
 VALIDATION = ["--validation_prompt", "a handwritten digit seven", "--validation_steps", "6",
               "--num_validation_images", "1", "--validation_inference_steps", "2", "--validation_split", "0.1"]
-PIPELINES = {"flux": "FluxPipeline", "sd3": "StableDiffusion3Pipeline"}
+PIPELINES = {"flux": "FluxPipeline", "sd3": "StableDiffusion3Pipeline", "flux2_klein": "Flux2KleinPipeline",
+             "flux2": "Flux2Pipeline"}
+
+
+def text_flags(name):
+    """LoRA on the text encoders too, where the family puts it (CLIP's; not FLUX.2's LLMs)."""
+    return ["--train_text_encoder", "--text_encoder_lr", "5e-3"] if family_module(name).LORA_TEXT_ENCODERS else []
 
 
 @pytest.fixture(scope="module")
-def bases(tiny_flux, tiny_sd3):
-    return {"flux": tiny_flux, "sd3": tiny_sd3}
+def bases(tiny_flux, tiny_sd3, tiny_flux2_klein, tiny_flux2):
+    return {"flux": tiny_flux, "sd3": tiny_sd3, "flux2_klein": tiny_flux2_klein, "flux2": tiny_flux2}
 
 
-@pytest.fixture(scope="module", params=["flux", "sd3"])
+@pytest.fixture(scope="module", params=["flux", "sd3", "flux2_klein", "flux2"])
 def trained(request, bases, digits, tmp_path_factory):
     name = request.param
     out = tmp_path_factory.mktemp(f"lora-{name}") / "run"
     proc = launch("train_lora.py", "--train_data_dir", digits, "--pretrained_model_name_or_path", bases[name],
-                  "--output_dir", out, *STEPS, *VALIDATION, "--train_text_encoder")
+                  "--output_dir", out, *STEPS, *VALIDATION, *text_flags(name))
     (out.parent / "stderr.txt").write_text(proc.stderr)
     return name, bases[name], out
 
@@ -46,14 +54,15 @@ def pipeline(name, base):
 
 
 def fixed_outputs(name, pipe):
-    """The transformer's output on fixed inputs, and each CLIP text encoder's on one prompt."""
+    """The transformer's output on fixed inputs (16 latent channels in every tiny build), and each CLIP text
+    encoder's on one prompt."""
     family = family_module(name)
     g = torch.Generator().manual_seed(0)
     x = torch.randn(2, 16, 8, 8, generator=g)
     ids = family.tokenize(pipe.components, ["a handwritten digit seven"] * 2, 40)
     with torch.no_grad():
         cond = family.encode_prompts(pipe.components, ids)
-        out = family.denoise(pipe.transformer, x, torch.tensor([100.0, 700.0]), cond, 3.5 if name == "flux" else None)
+        out = family.denoise(pipe.transformer, x, torch.tensor([100.0, 700.0]), cond, family.TRAINING_GUIDANCE)
         texts = [pipe.components[enc](ids[i])[0] for i, enc in enumerate(family.TEXT_ENCODERS)
                  if enc in family.LORA_TEXT_ENCODERS]
     return out, texts
@@ -64,8 +73,10 @@ def reference(name, base, checkpoint):
     from peft import LoraConfig
     from peft.utils import set_peft_model_state_dict
 
+    from common.lora_adapters import expand_targets
+
     family, pipe = family_module(name), pipeline(name, base)
-    models = {"transformer": family.LORA_TARGETS.split(","),
+    models = {"transformer": expand_targets(pipe.transformer, family.LORA_TARGETS.split(",")),
               **{enc: list(family.TEXT_LORA_TARGETS) for enc in family.LORA_TEXT_ENCODERS}}
     for part, targets in models.items():
         pipe.components[part].add_adapter(LoraConfig(r=4, lora_alpha=8, init_lora_weights="gaussian",
@@ -91,12 +102,20 @@ def test_the_lora_loads_back_exactly(trained):
         assert (ours - theirs).abs().max() < 1e-5 and (base_text - theirs).abs().max() > 1e-5
     info = json.loads((out / "lora_info.json").read_text())
     assert info["target_modules"] == family_module(name).LORA_TARGETS.split(",")
-    # the UI file: the same weights under the names ComfyUI reads for this family, each module with its alpha
+    # the UI file: the same weights under the names ComfyUI reads for this family (tests/test_ui_lora.py holds them
+    # against ComfyUI's map), each module with its alpha: alpha / rank as trained
     ui = load_file(out / "pytorch_lora_weights_kohya.safetensors")
-    adapter = load_file(out / "checkpoint-6" / "transformer" / "adapter_model.safetensors")
-    assert adapter and all(torch.equal(ui[f"transformer.{key}"], value) for key, value in adapter.items())
-    alphas = {key: value for key, value in ui.items() if key.endswith(".alpha")}
-    assert alphas and all(value.item() == 8 for value in alphas.values())
+    alphas = {key.removesuffix(".alpha"): value.item() for key, value in ui.items() if key.endswith(".alpha")}
+    ranks = {module: ui.get(f"{module}.lora_down.weight", ui.get(f"{module}.lora_A.weight")).shape[0]
+             for module in alphas}
+    assert alphas and all(alpha / ranks[module] == 2 for module, alpha in alphas.items())
+    if family_module(name).UI_IMPLEMENTATION == "diffusers":  # diffusers' module paths, as they are
+        adapter = load_file(out / "checkpoint-6" / "transformer" / "adapter_model.safetensors")
+        assert adapter and all(torch.equal(ui[f"transformer.{key}"], value) for key, value in adapter.items())
+    else:  # the base's own module names (FLUX.2's fused q, k, v): diffusers' loader reads them back to the same model
+        pipe = pipeline(name, base)
+        pipe.load_lora_weights(out, weight_name="pytorch_lora_weights_kohya.safetensors")
+        assert (fixed_outputs(name, pipe)[0] - expected[0]).abs().max() < 1e-5
     card = (out / "README.md").read_text()
     assert PIPELINES[name] in card
 
@@ -108,7 +127,7 @@ def test_resume_is_exact(trained, digits, tmp_path):
     resumed.mkdir()
     shutil.copytree(out / "checkpoint-3", resumed / "checkpoint-3")
     launch("train_lora.py", "--train_data_dir", digits, "--pretrained_model_name_or_path", base, "--output_dir",
-           resumed, *STEPS, *VALIDATION, "--train_text_encoder", "--resume_from_checkpoint", "latest")
+           resumed, *STEPS, *VALIDATION, *text_flags(name), "--resume_from_checkpoint", "latest")
     full, again = logged_losses(out), logged_losses(resumed)
     assert [again[s] for s in (4, 5, 6)] == [full[s] for s in (4, 5, 6)]
     a, b = load_file(out / "pytorch_lora_weights.safetensors"), load_file(resumed / "pytorch_lora_weights.safetensors")
@@ -132,8 +151,8 @@ def test_sample_py_is_the_pipeline_and_the_validation_image(trained, tmp_path):
     pipe = pipeline(name, base)
     pipe.load_lora_weights(out)
     torch.set_num_threads(1)  # as sample.py ran (OMP_NUM_THREADS=1): the same float order
-    image = pipe("a handwritten digit seven", num_inference_steps=2, height=32, width=32, max_sequence_length=40,
-                 generator=torch.Generator().manual_seed(42)).images[0]
+    image = pipe(prompt="a handwritten digit seven", num_inference_steps=2, height=32, width=32,
+                 max_sequence_length=40, generator=torch.Generator().manual_seed(42)).images[0]
     assert params["max_sequence_length"] == 40  # the run's T5 length (lora_info.json), sample.py's default
     assert np.abs(drawn - np.asarray(image).astype(int)).max() <= 1
     assert np.abs(drawn - pixels(out / "samples" / "step-6" / "0-0.png")).max() <= 1
@@ -141,7 +160,7 @@ def test_sample_py_is_the_pipeline_and_the_validation_image(trained, tmp_path):
     proc = run_script("sample.py", "--model", base, "--prompt", "a handwritten digit seven", "--num_images", "1",
                       "--num_inference_steps", "2", "--output_dir", tmp_path / "base")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    plain = pipeline(name, base)("a handwritten digit seven", num_inference_steps=2, height=32, width=32,
+    plain = pipeline(name, base)(prompt="a handwritten digit seven", num_inference_steps=2, height=32, width=32,
                                  generator=torch.Generator().manual_seed(0)).images[0]
     assert np.abs(pixels(tmp_path / "base" / "0000.png") - np.asarray(plain).astype(int)).max() <= 1
 
@@ -156,6 +175,18 @@ def test_inspect_traces_the_flow_pipeline(trained):
     schedule = next(s for s in stages if s["stage"] == "scheduler.set_timesteps")
     assert schedule["sigmas"][0] == 1.0 and schedule["sigmas"][-1] == 0.0 and len(schedule["sigmas"]) == 3
     steps = [s for s in stages if s["stage"] == "denoise"]
+    if name.startswith("flux2"):  # 2 x 2 patches of 4 channels: 16 tokens of 16, 4-axis ids; 3 Qwen3/Mistral3 layers
+        assert report["vae"]["packed_latent_shape"] == [1, 16, 16]
+        assert all(s["transformer_in"]["sample"] == [1, 16, 16] and s["transformer_in"]["img_ids"] == [1, 16, 4]
+                   and s["transformer_in"]["encoder_hidden_states"] == [1, 512, 48] for s in steps)
+        text = [s for s in stages if s["stage"] == "text_encoder"]
+        assert all(s["hidden_states[-2]"] == [1, 512, 16] for s in text)
+        if name == "flux2":  # the guidance is an input: one call a step
+            assert len(steps) == 2 and len(text) == 1
+            assert all(s["transformer_in"]["guidance"] == {"shape": [1], "value": 4.0} for s in steps)
+        else:  # klein: true CFG, the prompt's call and the empty prompt's each step
+            assert len(steps) == 4 and len(text) == 2 and all("guidance" not in s["transformer_in"] for s in steps)
+        return
     t5 = next(s for s in stages if s["stage"] == ("text_encoder_2" if name == "flux" else "text_encoder_3"))
     if name == "flux":  # packed 2 x 2: 16 tokens of 64 for an 8 x 8 x 16 latent; the guidance is an input
         assert report["vae"]["packed_latent_shape"] == [1, 16, 64]
@@ -169,7 +200,7 @@ def test_inspect_traces_the_flow_pipeline(trained):
         assert report["trace"]["guided"] and t5["last_hidden_state"] == [1, 256, 96]
 
 
-@pytest.mark.parametrize("name", ["flux", "sd3"])
+@pytest.mark.parametrize("name", ["flux", "sd3", "flux2_klein"])
 def test_two_processes(name, bases, digits, tmp_path):
     """Two CPU processes: the held-out loss at step 0 is the one-process value (the images are shared out and the
     sums reduced), the run finishes and saves."""
@@ -184,7 +215,7 @@ def test_two_processes(name, bases, digits, tmp_path):
     assert (tmp_path / "two" / "pytorch_lora_weights.safetensors").is_file()
 
 
-@pytest.mark.parametrize("name", ["flux", "sd3"])
+@pytest.mark.parametrize("name", ["flux", "sd3", "flux2_klein"])
 def test_full_fine_tune_saves_a_pipeline(name, bases, digits, tmp_path):
     """train_text_to_image.py on the transformer (Flux: a fresh one from --transformer_config), with its EMA: the
     output loads with from_pretrained and holds the EMA weights, and samples."""
@@ -200,25 +231,27 @@ def test_full_fine_tune_saves_a_pipeline(name, bases, digits, tmp_path):
     saved = pipe.transformer.state_dict()
     key = next(k for k in raw if k.endswith(".weight") and raw[k].ndim == 2)
     assert torch.equal(saved[key], ema[key]) and not torch.equal(saved[key], raw[key])
-    image = pipe("a handwritten digit seven", num_inference_steps=2, height=32, width=32, max_sequence_length=40,
-                 generator=torch.Generator().manual_seed(0)).images[0]
+    image = pipe(prompt="a handwritten digit seven", num_inference_steps=2, height=32, width=32,
+                 max_sequence_length=40, generator=torch.Generator().manual_seed(0)).images[0]
     assert image.size == (32, 32)
 
 
-def test_train_lora_copied_with_the_flux_module_alone(tiny_flux, digits, tmp_path):
-    """The copy list plus common/families/flux.py trains on a Flux base; without that module, one line says so."""
+@pytest.mark.parametrize("name", ["flux", "flux2_klein"])
+def test_train_lora_copied_with_the_family_module_alone(name, bases, digits, tmp_path):
+    """The copy list plus the base's family module (common/families/flux.py, flux2_klein.py) trains on that base;
+    without that module, one line says so."""
     from conftest import offline_env
     from test_copy_list import copy_into
 
     copy_into(tmp_path, "train_lora.py")
-    args = ["--train_data_dir", digits, "--pretrained_model_name_or_path", tiny_flux, "--output_dir", "out",
+    args = ["--train_data_dir", digits, "--pretrained_model_name_or_path", bases[name], "--output_dir", "out",
             "--max_train_samples", "8", "--train_batch_size", "4", "--max_train_steps", "1", "--max_sequence_length",
             "8", "--report_to", "none"]
     proc = launch(tmp_path / "train_lora.py", *args, cwd=tmp_path, env=offline_env(PYTHONPATH=""), check=False)
-    assert_one_line_error(proc, "common/families/flux.py")
+    assert_one_line_error(proc, f"common/families/{name}.py")
     assert not (tmp_path / "out").exists()
-    shutil.copy(ROOT / "common" / "families" / "flux.py", tmp_path / "common" / "families" / "flux.py")
-    assert sorted(p.name for p in (tmp_path / "common" / "families").glob("*.py")) == ["__init__.py", "flux.py"]
+    shutil.copy(ROOT / "common" / "families" / f"{name}.py", tmp_path / "common" / "families" / f"{name}.py")
+    assert sorted(p.name for p in (tmp_path / "common" / "families").glob("*.py")) == ["__init__.py", f"{name}.py"]
     launch(tmp_path / "train_lora.py", *args, cwd=tmp_path, env=offline_env(PYTHONPATH=""))
     assert (tmp_path / "out" / "pytorch_lora_weights.safetensors").is_file()
 

@@ -371,3 +371,122 @@ def test_sd3_and_flux_text_encoder_names_are_comfyuis(bases, comfyui_keys):
         assert len(modules) == 6 * encoder.config.num_hidden_layers
         for module in modules:
             assert comfyui_keys["sdxl"][module][:2] == [name, [module.removeprefix(f"{name}.")]]
+
+
+# FLUX.2: the UI file holds FLUX.2's own module names (kohya's lora_unet_ prefix), the double blocks' q, k and v fused
+# (common/families/flux2_klein.py); ComfyUI's map for a FLUX.2 model, pinned from ComfyUI's loader by
+# tests/tools/comfyui_flux2_lora.py, which also ran ComfyUI's loader on such files.
+@pytest.fixture(scope="module")
+def comfyui_flux2_keys():
+    with gzip.open(ROOT / "tests" / "data" / "comfyui_lora_keys_flux2.json.gz", "rt") as f:
+        return json.load(f)["flux2"]
+
+
+def flux2_transformer():
+    """diffusers' FLUX.2 transformer (2 blocks of each kind, the guidance input) at tiny widths."""
+    from diffusers import Flux2Transformer2DModel
+
+    torch.manual_seed(0)
+    return Flux2Transformer2DModel(in_channels=16, num_layers=2, num_single_layers=2, attention_head_dim=16,
+                                   num_attention_heads=2, joint_attention_dim=48, timestep_guidance_channels=32,
+                                   axes_dims_rope=(4, 4, 4, 4), guidance_embeds=True)
+
+
+def flux2_adapter(adapter, targets, dora=False, alpha=2):
+    """The transformer with train_lora.py's adapter (rank 4) on `targets`, its weights moved as if trained."""
+    from types import SimpleNamespace
+
+    from common.lora_adapters import adapter_config
+
+    model = flux2_transformer()
+    flags = SimpleNamespace(adapter=adapter, rank=4, lora_alpha=alpha, lora_dropout=0.0, use_dora=dora, lokr_factor=-1)
+    model.add_adapter(adapter_config(flags, targets))
+    with torch.no_grad():
+        for key, p in model.named_parameters():
+            if any(part in key for part in (".lora_", ".hada_", ".lokr_")):
+                p.add_(0.1 * torch.randn_like(p))
+    return model
+
+
+def flux2_native(model, merge):
+    """The model's weights (its adapter merged by peft, or not) in FLUX.2's own names."""
+    import copy
+
+    from peft.tuners.tuners_utils import BaseTunerLayer
+    from tools.flux2_native import native_state_dict
+
+    model = copy.deepcopy(model)
+    for module in model.modules():
+        if merge and isinstance(module, BaseTunerLayer):
+            module.merge()
+    return native_state_dict({k.replace(".base_layer", ""): v for k, v in model.state_dict().items()
+                              if not any(part in k for part in (".lora_", ".hada_", ".lokr_"))})
+
+
+def test_flux2_native_names_are_diffusers_own_conversion():
+    """tests/tools/flux2_native.py (diffusers' names -> FLUX.2's) inverts diffusers' own FLUX.2 checkpoint converter."""
+    from diffusers.loaders.single_file_utils import convert_flux2_transformer_checkpoint_to_diffusers
+    from tools.flux2_native import native_state_dict
+
+    state = flux2_transformer().state_dict()
+    back = convert_flux2_transformer_checkpoint_to_diffusers(native_state_dict(state))
+    assert back.keys() == state.keys() and all(torch.equal(back[k], state[k]) for k in state)
+
+
+@pytest.mark.parametrize("adapter,targets,dora", [
+    ("lora", "every", False), ("lora", "every", True), ("loha", "every", False),
+    ("lora", "to_q,to_k,add_v_proj", False), ("lora", "default", False)],
+    ids=["lora", "dora", "loha", "some-of-qkv", "default-targets"])
+def test_flux2_ui_file_is_comfyuis_names_and_the_trained_weights(comfyui_flux2_keys, adapter, targets, dora):
+    """flux2_klein.ui_lora on an adapter over diffusers' FLUX.2 transformer: every module under a name ComfyUI's map
+    gives a FLUX.2 model, and the file applied as ComfyUI applies it (W + alpha / rank * up @ down on the weight the
+    name maps to; a LoHa's (w1_a w1_b) * (w2_a w2_b); DoRA by peft's definition, m W' / ||W'|| per row) gives, weight
+    for weight, peft's merged model in FLUX.2's names: fused q/k/v, swapped halves and alphas included."""
+    from peft.utils import get_peft_model_state_dict
+
+    from common.families import flux2_klein
+    from common.lora_adapters import comma_list, expand_targets
+
+    every = [name for name, m in flux2_transformer().named_modules() if isinstance(m, torch.nn.Linear)]
+    names = {"every": every, "default": comma_list(flux2_klein.LORA_TARGETS)}.get(targets) or comma_list(targets)
+    model = flux2_adapter(adapter, expand_targets(flux2_transformer(), names), dora)
+    weights = flux2_klein.ui_lora({"transformer": get_peft_model_state_dict(model)}, 2, model.config)
+    base, expected = flux2_native(model, merge=False), flux2_native(model, merge=True)
+    modules = {key.rsplit(".", 2 if key.endswith(".weight") else 1)[0] for key in weights}
+    assert modules <= set(comfyui_flux2_keys), sorted(modules - set(comfyui_flux2_keys))
+    patched = {}
+    for module in modules:
+        target, ndim = comfyui_flux2_keys[module]
+        w = base[target].float()
+        assert w.dim() == ndim
+        alpha = weights[f"{module}.alpha"].item()
+        if adapter == "loha":
+            rank = weights[f"{module}.hada_w1_b"].shape[0]
+            update = (weights[f"{module}.hada_w1_a"] @ weights[f"{module}.hada_w1_b"]) * (
+                weights[f"{module}.hada_w2_a"] @ weights[f"{module}.hada_w2_b"])
+        else:
+            rank = weights[f"{module}.lora_down.weight"].shape[0]
+            update = weights[f"{module}.lora_up.weight"] @ weights[f"{module}.lora_down.weight"]
+        adapted = w + alpha / rank * update
+        if dora:
+            adapted = weights[f"{module}.dora_scale"] * adapted / adapted.norm(dim=1, keepdim=True)
+        patched[target] = adapted
+    changed = {key for key in expected if not torch.equal(expected[key], base[key])}
+    assert changed and changed <= set(patched)
+    for target, weight in patched.items():
+        assert (weight - expected[target]).abs().max() / expected[target].abs().max() < 1e-5, target
+
+
+def test_flux2_ui_file_refuses_what_the_fused_weight_cannot_hold():
+    """A LoKr on a double block's separate q, k or v, and a DoRA on some of them, cannot be written as FLUX.2's fused
+    qkv weight: one line each, naming what to do."""
+    from peft.utils import get_peft_model_state_dict
+
+    from common.families import flux2_klein
+
+    for adapter, targets, dora, needle in (("lokr", ["to_q"], False, "LoKr"),
+                                           ("lora", ["to_q", "to_k"], True, "DoRA")):
+        model = flux2_adapter(adapter, targets, dora)
+        with pytest.raises(UserError) as err:
+            flux2_klein.ui_lora({"transformer": get_peft_model_state_dict(model)}, 2, model.config)
+        assert needle in str(err.value) and "\n" not in str(err.value)
