@@ -263,6 +263,16 @@ def sd3_without_t5(tiny_sd3, tmp_path_factory):
     return path
 
 
+@pytest.fixture(scope="module")
+def klein_without(tiny_flux2_klein, tmp_path_factory):
+    """The tiny FLUX.2 klein folder without its text encoder, and without its tokenizer."""
+    paths = {}
+    for part in ("text_encoder", "tokenizer"):
+        paths[part] = tmp_path_factory.mktemp("klein") / f"no-{part}"
+        shutil.copytree(tiny_flux2_klein, paths[part], ignore=shutil.ignore_patterns(part))
+    return paths
+
+
 BAD = {
     "prediction-type-on-flux": (["--pretrained_model_name_or_path", "{flux}", "--prediction_type", "v_prediction"],
                                 "--prediction_type", "Flux.1", "flow matching"),
@@ -278,13 +288,27 @@ BAD = {
     "drop-t5-on-flux": (["--pretrained_model_name_or_path", "{flux}", "--drop_t5"], "--drop_t5", "Flux.1"),
     "nf4-without-bitsandbytes": (["--pretrained_model_name_or_path", "{flux}", "--quantize_base", "nf4"],
                                  "--quantize_base nf4", "bitsandbytes"),
+    "flux2-resolution": (["--pretrained_model_name_or_path", "{flux2_klein}", "--resolution", "36"],
+                         "--resolution 36", "32 or 40", "2 x 2 patches"),
+    "text-encoder-lora-on-flux2-klein": (["--pretrained_model_name_or_path", "{flux2_klein}", "--train_text_encoder"],
+                                         "--train_text_encoder", "FLUX.2 klein", "leave it out"),
+    "text-encoder-lr-on-flux2-dev": (["--pretrained_model_name_or_path", "{flux2}", "--text_encoder_lr", "1e-5"],
+                                     "--text_encoder_lr", "FLUX.2 dev"),
+    "guidance-on-flux2-klein": (["--pretrained_model_name_or_path", "{flux2_klein}", "--guidance_scale", "3"],
+                                "--guidance_scale", "FLUX.2 klein"),
+    "flux2-without-text-encoder": (["--pretrained_model_name_or_path", "{klein_no_text_encoder}"],
+                                   "FLUX.2 klein", "no text_encoder"),
+    "flux2-without-tokenizer": (["--pretrained_model_name_or_path", "{klein_no_tokenizer}"], "FLUX.2 klein",
+                                "no tokenizer"),
 }
 
 
 @pytest.mark.parametrize("case", sorted(BAD))
-def test_bad_input_is_one_line_and_writes_nothing(case, bases, tiny_sd, sd3_without_t5, digits, tmp_path):
+def test_bad_input_is_one_line_and_writes_nothing(case, bases, tiny_sd, sd3_without_t5, klein_without, digits,
+                                                  tmp_path):
     flags, *needles = BAD[case]
-    paths = {"flux": bases["flux"], "sd3": bases["sd3"], "sd": tiny_sd, "sd3_no_t5": sd3_without_t5}
+    paths = {**bases, "sd": tiny_sd, "sd3_no_t5": sd3_without_t5,
+             **{f"klein_no_{part}": path for part, path in klein_without.items()}}
     flags = [flag.format(**paths) for flag in flags]
     proc = run_script("train_lora.py", "--train_data_dir", digits, "--output_dir", tmp_path / "out", *flags)
     assert_one_line_error(proc, *needles)
@@ -328,3 +352,45 @@ def test_a_lora_of_another_family_is_one_line(bases, tiny_sd, tmp_path):
     proc = run_script("sample.py", "--model", tiny_sd, "--lora", tmp_path / "flux-lora", "--prompt", "x",
                       "--output_dir", tmp_path / "s")
     assert_one_line_error(proc, "Flux.1 LoRA", "Stable Diffusion 1.x/2.x")
+
+
+def flux2_lora(name, base, folder, metadata=True):
+    """A LoRA file of the FLUX.2 family `name` as save_lora_weights writes it (its metadata says its base, or not)."""
+    from peft import LoraConfig
+
+    from common.lora_files import save_lora_weights
+
+    family, pipe = family_module(name), pipeline(name, base)
+    pipe.transformer.add_adapter(LoraConfig(r=2, target_modules=["to_qkv_mlp_proj", "to_q"]))
+    save_lora_weights(str(folder), family, {"transformer": pipe.transformer}, {"base_model": str(base), "rank": 2,
+                                                                                "lora_alpha": 2},
+                      metadata=family.base_metadata(pipe.transformer.config, None) if metadata else None)
+    return folder
+
+
+def test_a_flux2_lora_on_the_other_flux2_or_on_flux1_is_one_line(bases, tmp_path):
+    """FLUX.2 dev's LoRA on klein (sample.py: one line, before anything loads), and each way between dev, klein and
+    Flux.1, told from the file's metadata; without metadata, FLUX.2's own tensor names tell FLUX.2 from Flux.1, and a
+    FLUX.2 LoRA passes on either FLUX.2 base (their names are the same)."""
+    from common.cli import UserError
+    from common.families import check_lora_base
+    from common.lora_files import check_safetensors, lora_file_metadata, lora_weights_file
+
+    files = {name: flux2_lora(name, bases[name], tmp_path / name) for name in ("flux2", "flux2_klein")}
+    proc = run_script("sample.py", "--model", bases["flux2_klein"], "--lora", files["flux2"], "--prompt", "x",
+                      "--output_dir", tmp_path / "s")
+    assert_one_line_error(proc, "FLUX.2 dev LoRA", "modelspec.architecture flux-2-dev", "FLUX.2 klein")
+    assert not (tmp_path / "s").exists()
+
+    def check(name, base, metadata=True):
+        path = files[name] if metadata else flux2_lora(name, bases[name], tmp_path / f"{name}-bare", False)
+        keys = check_safetensors(lora_weights_file(str(path)), "--lora")
+        check_lora_base("--lora", str(path), lora_file_metadata(str(path)), keys, str(bases[base]), base)
+
+    for name, base in (("flux2_klein", "flux2"), ("flux2", "flux"), ("flux2_klein", "flux")):
+        with pytest.raises(UserError, match=f"is a {family_module(name).NAME} LoRA"):
+            check(name, base)
+    for base in ("flux2", "flux2_klein"):
+        check("flux2", base, metadata=False)
+    with pytest.raises(UserError, match="is a FLUX.2"):
+        check("flux2", "flux", metadata=False)

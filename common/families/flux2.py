@@ -30,6 +30,7 @@ from .flux2_klein import (  # noqa: F401 (FLUX.2's transformer, latents and UI f
     empty_prompt_zeros,
     latent_config,
     native_resolution,
+    packed_shape,
     pipeline_prompt_kwargs,
     resolution_factor,
     sample_size,
