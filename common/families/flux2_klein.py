@@ -289,11 +289,13 @@ def ui_lora(states, alpha, denoiser_config):
     """The UI file's tensors: kohya's names of FLUX.2's own modules (`lora_unet_double_blocks_0_img_attn_qkv`,
     `.lora_down.weight`, `.lora_up.weight`, `.alpha`), what ComfyUI's key map reads for FLUX.2 (and diffusers' FLUX.2
     loader reads back). A double block's q, k and v LoRAs become one LoRA of the fused qkv weight (its alpha times the
-    number of parts, so that alpha / rank stays); a LoHa's likewise; the final norm's halves swapped (FLUX.2 holds
-    shift before scale)."""
+    number of parts, so that alpha / rank stays); a LoHa's likewise; a LoKr's cannot be fused (a stack of Kronecker
+    products is none): each goes under ComfyUI's `lycoris_<diffusers module>` name, which its Flux map slices out of
+    the fused weight. The final norm's halves swapped (FLUX.2 holds shift before scale); a LoKr's there under its
+    `lycoris_` name too, which ComfyUI's map swaps."""
     from ..cli import UserError
 
-    modules, fused = {}, {}
+    modules, fused, sliced = {}, {}, {}
     for key, value in states["transformer"].items():
         module, _, weight = key.partition(".lora_") if ".lora_" in key else key.rpartition(".")
         weight = ("lora_" + weight) if ".lora_" in key else weight
@@ -302,28 +304,29 @@ def ui_lora(states, alpha, denoiser_config):
         except KeyError:
             raise UserError(f"the UI LoRA file has no name for the module '{module}' (FLUX.2's own model has none); "
                             "leave it out of the LoRA's target modules") from None
-        if slot is None:
+        if slot is None and not (weight.startswith("lokr_") and name in SWAPPED):
             modules.setdefault(name, {})[weight] = value
+        elif weight.startswith("lokr_"):  # (the final norm's too: ComfyUI swaps a LoKr's halves under this name)
+            sliced[f"lycoris_{module.replace('.', '_')}.{weight}"] = value
         else:
             fused.setdefault(name, {}).setdefault(slot, {})[weight] = value
-    groups = {1: {f"{name}.{weight}": value for name, parts in modules.items() for weight, value in parts.items()}}
+    groups = {1: {f"lora_unet_{name.replace('.', '_')}.{weight}": value for name, parts in modules.items()
+                  for weight, value in parts.items()}}
     for name, slots in fused.items():
         names = set(next(iter(slots.values())))
-        if any(n.startswith("lokr_") for n in names):
-            raise UserError(f"the UI LoRA file: a LoKr on a double block's separate q, k or v cannot be written as "
-                            f"FLUX.2's fused {name} weight; train a LoRA or LoHa, or leave to_q, to_k, to_v, "
-                            "add_q_proj, add_k_proj and add_v_proj out of --target_modules")
         if "lora_magnitude_vector" in names and len(slots) < len(FUSED):
             raise UserError(f"the UI LoRA file: a DoRA on some of a double block's q, k and v but not all cannot be "
                             f"written as FLUX.2's fused {name} weight; target all three, or train a LoRA")
         parts = fuse(slots, [n for n in names if n in ("lora_A.weight", "hada_w1_b", "hada_w2_b",
                                                        "lora_magnitude_vector")],
                      [n for n in names if n in ("lora_B.weight", "hada_w1_a", "hada_w2_a")])
-        groups.setdefault(len(slots), {}).update({f"{name}.{weight}": value for weight, value in parts.items()})
+        groups.setdefault(len(slots), {}).update({f"lora_unet_{name.replace('.', '_')}.{weight}": value
+                                                  for weight, value in parts.items()})
+    groups[1].update(sliced)
     weights = {}
     for count, state in groups.items():
-        weights.update(lora_tensors(state, alpha * count, lambda module: "lora_unet_" + module.replace(".", "_"),
-                                    KOHYA_SUFFIXES, swapped_halves=SWAPPED))
+        weights.update(lora_tensors(state, alpha * count, lambda module: module, KOHYA_SUFFIXES,
+                                    swapped_halves=[f"lora_unet_{m.replace('.', '_')}" for m in SWAPPED]))
     for module in SWAPPED:  # the update's rows too: ComfyUI applies the file's weights as they are
         for weight in ("lora_up.weight", "hada_w1_a", "hada_w2_a"):
             key = f"lora_unet_{module.replace('.', '_')}.{weight}"

@@ -12,7 +12,9 @@ FLUX.2 from its keys. ComfyUI's FLUX.2 detection before klein fixed 48 heads (FL
 from the width (hidden size / 128: klein's 24 and 32); for a ComfyUI that still fixes 48, this tool applies the newer
 rule, so that a transformer 2 heads wide loads (names do not depend on the width). comfy.lora.model_lora_keys_unet
 gives the names load_lora_for_models (the LoraLoader node) matches a file's keys against; --write keeps its
-`lora_unet_` names (kohya's, of FLUX.2's own modules) that name a weight of the model: name -> [weight, ndim].
+`lora_unet_` names (kohya's, of FLUX.2's own modules) and `lycoris_` names (diffusers' modules, a slice of a fused
+weight for the double blocks' q, k and v) that name a weight of the model: name -> [weight, ndim, [dim, start, size]
+of the slice it patches or None, whether ComfyUI swaps the update's halves (the final norm's)].
 
 Each LoRA folder's pytorch_lora_weights_kohya.safetensors is loaded as the LoraLoader node loads it (strength 1, and
 0.5), and every weight ComfyUI patches (comfy.lora.calculate_weight, in fp32) is compared with expected.safetensors,
@@ -29,7 +31,7 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 OUT = os.path.join(HERE, "..", "data", "comfyui_lora_keys_flux2.json.gz")
-FOLDERS = ("default", "every", "dora", "loha")
+FOLDERS = ("default", "every", "dora", "loha", "lokr")
 
 
 def load_transformer(comfy, path):
@@ -94,10 +96,14 @@ def main():
     print(f"{type(unet.model.model_config).__name__} ({type(unet.model).__name__}): hidden {config['hidden_size']}, "
           f"{config['num_heads']} heads, {config['depth']} double and {config['depth_single_blocks']} single blocks")
     state = unet.model.state_dict()
-    names = {name: [target.removeprefix("diffusion_model."), state[target].dim()]
-             for name, target in comfy.lora.model_lora_keys_unet(unet.model, {}).items()
-             if name.startswith("lora_unet_") and isinstance(target, str) and target in state}
-    print(f"{len(names)} lora_unet_ names")
+    names = {}
+    for name, target in comfy.lora.model_lora_keys_unet(unet.model, {}).items():
+        weight, offset = (target, None) if isinstance(target, str) else target[:2]
+        if name.startswith(("lora_unet_", "lycoris_")) and weight in state:
+            names[name] = [weight.removeprefix("diffusion_model."), state[weight].dim(), offset and list(offset),
+                           not isinstance(target, str) and len(target) > 2]
+    print(f"{sum(n.startswith('lora_unet_') for n in names)} lora_unet_ names, "
+          f"{sum(n.startswith('lycoris_') for n in names)} lycoris_ names")
     for kind in FOLDERS:
         for strength in (1.0, 0.5):
             not_loaded, count, worst, unchanged = check(comfy, unet, os.path.join(args.folder, kind), strength)

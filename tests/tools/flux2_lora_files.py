@@ -10,7 +10,8 @@ The transformer: diffusers' Flux2Transformer2DModel with FLUX.2's fixed shapes w
 (heads of 128 with RoPE over 4 axes of 32, 128 latent channels, a 256-wide timestep embedding, guidance input), 2
 heads wide (256), 2 blocks of each kind; saved in FLUX.2's own names (tests/tools/flux2_native.py) as
 transformer.safetensors. Each LoRA folder (`default`: train_lora.py's default targets, rank 4, alpha 8; `every`: a
-LoRA on every Linear layer, alpha 2; `dora`: the same as DoRA; `loha`: a LoHa on every Linear layer) holds the files
+LoRA on every Linear layer, alpha 2; `dora`: the same as DoRA; `loha`, `lokr`: a LoHa, a LoKr on every Linear
+layer) holds the files
 save_lora_weights writes, its weights moved as if trained, and expected.safetensors: the transformer with that
 adapter merged by peft, in FLUX.2's own names: what ComfyUI must compute from the UI file.
 """
@@ -20,7 +21,8 @@ import sys
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
 KINDS = {"default": ("lora", None, 4, 8, False), "every": ("lora", "every", 4, 2, False),
-         "dora": ("lora", "every", 4, 2, True), "loha": ("loha", "every", 4, 2, False)}
+         "dora": ("lora", "every", 4, 2, True), "loha": ("loha", "every", 4, 2, False),
+         "lokr": ("lokr", "every", 4, 2, False)}
 
 
 def transformer():
@@ -77,7 +79,7 @@ def main():
         model.add_adapter(adapter_config(flags, targets))
         with torch.no_grad():
             for key, p in model.named_parameters():
-                if any(part in key for part in (".lora_", ".hada_")):
+                if any(part in key for part in (".lora_", ".hada_", ".lokr_")):
                     p.add_(0.05 * torch.randn_like(p))
         folder = os.path.join(args.output_dir, kind)
         save_lora_weights(folder, flux2_klein, {"transformer": model},
