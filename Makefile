@@ -240,16 +240,19 @@ test: lint
 # lora_square (aspect-ratio buckets against square crops); BENCH_ARGS="--repeats 1" for a quick look.
 .PHONY: bench
 BENCH_ARGS ?=
-bench: data $(TINY_SD) $(TINY_FLUX)
+bench: data $(TINY_SD) $(TINY_FLUX) $(TINY_FLUX2_KLEIN)
 	$(PY) tests/benchmarks/run_bench.py $(BENCH_ARGS)
 	$(if $(wildcard .gpu-pack/peers/train_dreambooth_lora_flux.py),$(PY) tests/benchmarks/flux_peer.py run,@echo "the \
 	  Flux row needs diffusers' own script: make bench-peers DIFFUSERS_REPO=<a clone of diffusers>")
+	$(if $(wildcard .gpu-pack/peers/train_dreambooth_lora_flux2_klein.py),$(PY) tests/benchmarks/flux2_klein_peer.py \
+	  run,@echo "the FLUX.2 klein row needs diffusers' own script: make bench-peers DIFFUSERS_REPO=<a clone of diffusers>")
 
 # diffusers' example scripts, the peers of the Flux row (and of make gpu-evidence), at the pinned diffusers' tag (or
 # the nearest below it), from a clone of its repository, into .gpu-pack/peers (ignored).
 .PHONY: bench-peers
 bench-peers: install
 	$(PY) tests/benchmarks/flux_peer.py fetch --diffusers_repo "$(DIFFUSERS_REPO)"
+	$(PY) tests/benchmarks/flux2_klein_peer.py fetch --diffusers_repo "$(DIFFUSERS_REPO)"
 
 # On a GPU: train_lora.py on the Stable Diffusion 1.5 architecture (random weights, built offline into
 # models/sd15-random the first time) at 512 px, batch 1 and 4, fp16 and bf16, with and without gradient

@@ -4,8 +4,8 @@ and the CLIP text encoder(s) where the family has them, its files read back by t
 exact resume, two processes, sample.py against the pipeline itself, the validation image against sample.py,
 inspect_pipeline.py's trace, train_text_to_image.py's full fine-tune, a copy of train_lora.py with one family module
 alone, and the one-line errors of the flags and files that do not fit these families. FLUX.2 dev shares everything
-with klein but its text encoder and guidance input: it joins the tests of those (training, loading back, resume,
-sampling, the trace), not the multi-process and full fine-tune runs."""
+with klein but its text encoder and guidance input: it joins the tests of those (training, loading back,
+sampling, the trace), not the resume, multi-process and full fine-tune runs."""
 import json
 import shutil
 
@@ -120,6 +120,7 @@ def test_the_lora_loads_back_exactly(trained):
     assert PIPELINES[name] in card
 
 
+@pytest.mark.parametrize("trained", ["flux", "sd3", "flux2_klein"], indirect=True)  # (dev resumes as klein does)
 def test_resume_is_exact(trained, digits, tmp_path):
     """From checkpoint-3, the same steps 4-6 (losses) and the same LoRA, bit for bit."""
     name, base, out = trained
