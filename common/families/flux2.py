@@ -6,11 +6,12 @@ trains it: the guidance input 3.5 while training (--guidance_scale), the posteri
 1000, unshifted training sigmas, no loss weighting, target noise - x0. The pipeline draws with the guidance as an
 input (4.0 by default), no unconditional branch.
 """
-from . import flux2_klein as klein
+from .flux2_klein import COMPONENTS as KLEIN_COMPONENTS
 from .flux2_klein import (  # noqa: F401 (FLUX.2's transformer, latents and UI file, as klein's)
     FLOW_DEFAULTS,
     LORA_KEY_PREFIXES,
     LORA_SCALE_ARGUMENT,
+    LORA_TARGETS,
     LORA_TEXT_ENCODERS,
     MAX_SEQUENCE_LENGTH,
     NATIVE_SIZE_FROM,
@@ -35,11 +36,13 @@ from .flux2_klein import (  # noqa: F401 (FLUX.2's transformer, latents and UI f
     resolution_factor,
     sample_size,
     size_factor,
+    stacked_states,
     text_encoder_targets,
     text_length,
     ui_lora,
     unpack_latents,
 )
+from .flux2_klein import fit_problems as klein_fit_problems
 
 KEY = "flux2"
 NAME = "FLUX.2 dev"
@@ -48,11 +51,9 @@ DENOISER = "transformer"
 LORA_METADATA = {"modelspec.architecture": ("flux-2-dev", "Flux.2-dev")}
 # Mistral3's processor (Pixtral's, which needs torchvision) or, for a base that holds only a tokenizer, the tokenizer:
 # both take the pipeline's apply_chat_template call.
-COMPONENTS = {**klein.COMPONENTS, "tokenizer": ("transformers", "AutoProcessor"),
+COMPONENTS = {**KLEIN_COMPONENTS, "tokenizer": ("transformers", "AutoProcessor"),
               "text_encoder": ("transformers", "Mistral3ForConditionalGeneration")}
 TEXT_LAYERS = (10, 20, 30)  # the hidden states the pipeline stacks (its text_encoder_out_layers)
-# diffusers' script's default (its 48 single blocks listed by number)
-LORA_TARGETS = klein.LORA_TARGETS
 TRAINING_GUIDANCE = 3.5  # diffusers' FLUX.2 script's --guidance_scale
 SAMPLE_STEPS, SAMPLE_GUIDANCE = 50, 4.0  # Flux2Pipeline's defaults
 SYSTEM_MESSAGE = ("You are an AI that reasons about image descriptions. You give structured responses focusing on "
@@ -61,7 +62,7 @@ SYSTEM_MESSAGE = ("You are an AI that reasons about image descriptions. You give
 
 def fit_problems(denoiser_config, configs):
     """As klein's, and the guidance embedding a dev base has."""
-    problems = klein.fit_problems(denoiser_config, configs)
+    problems = klein_fit_problems(denoiser_config, configs)
     if not denoiser_config.get("guidance_embeds", True):
         problems.append(("guidance_embeds", False, True, "FLUX.2 dev's guidance input"))
     return problems
@@ -81,7 +82,7 @@ def tokenize(parts, prompts, max_sequence_length=None):
 
 def encode_prompts(parts, ids):
     """Mistral3's hidden states of layers 10, 20, 30 (the pipeline's default), stacked per token."""
-    return {"prompt_embeds": klein.stacked_states(parts["text_encoder"], ids, TEXT_LAYERS)}
+    return {"prompt_embeds": stacked_states(parts["text_encoder"], ids, TEXT_LAYERS)}
 
 
 def guidance_kwargs(denoiser_config, scale, batch):
