@@ -28,7 +28,7 @@ LAUNCH := $(LAUNCH_ENV) $(PY) -m common.launch --config_file $(CONFIG) \
 ARGS ?=
 DIGITS := data/digits/train/metadata.jsonl
 
-.PHONY: install install-extras install-deepspeed lint data env tiny-sd-base tiny-flux-base tiny-sdxl tiny-sd3 tiny-flux tiny-qwen-image train-text-to-image train-classifier train-ddpm sample-ddpm tiny-sd train-lora train-dreambooth sample-lora inspect test clean tiny-z-image
+.PHONY: install install-extras install-deepspeed lint data env tiny-sd-base tiny-flux-base tiny-sdxl tiny-sd3 tiny-flux tiny-qwen-image train-text-to-image train-classifier train-ddpm sample-ddpm tiny-sd train-lora train-dreambooth sample-lora inspect test clean tiny-z-image tiny-flux2-klein tiny-flux2
 
 install: $(VENV)/.installed
 $(VENV)/.installed: requirements.txt
@@ -119,6 +119,18 @@ TINY_Z_IMAGE := models/tiny-z-image/model_index.json
 tiny-z-image: $(TINY_Z_IMAGE)
 $(TINY_Z_IMAGE): | install
 	$(PY) -m demo.tiny_z_image --output_dir models/tiny-z-image
+
+# FLUX.2 (demo/tiny_flux2.py): klein (Flux2KleinPipeline: a Qwen3 text encoder) and dev (Flux2Pipeline: Mistral3,
+# a guidance embedding), each with FLUX.2's transformer, its 2 x 2-patch VAE and the scheduler; 32 px, about 4 MB.
+TINY_FLUX2_KLEIN := models/tiny-flux2-klein/model_index.json
+tiny-flux2-klein: $(TINY_FLUX2_KLEIN)
+$(TINY_FLUX2_KLEIN): | install
+	$(PY) -m demo.tiny_flux2 --variant klein --output_dir models/tiny-flux2-klein
+
+TINY_FLUX2 := models/tiny-flux2/model_index.json
+tiny-flux2: $(TINY_FLUX2)
+$(TINY_FLUX2): | install
+	$(PY) -m demo.tiny_flux2 --variant dev --output_dir models/tiny-flux2
 
 # The LoRA demo: the tiny base, the digits captions. One thread per CPU process: the models are small, and on a
 # shared CPU several threads per process spin against each other (see docs/train_lora.md).
@@ -249,18 +261,21 @@ test: lint
 # lora_buckets and lora_square (aspect-ratio buckets against square crops); BENCH_ARGS="--repeats 1" for a quick look.
 .PHONY: bench
 BENCH_ARGS ?=
-bench: data $(TINY_SD) $(TINY_FLUX) $(TINY_QWEN_IMAGE)
+bench: data $(TINY_SD) $(TINY_FLUX) $(TINY_QWEN_IMAGE) $(TINY_FLUX2_KLEIN)
 	$(PY) tests/benchmarks/run_bench.py $(BENCH_ARGS)
 	$(if $(wildcard .gpu-pack/peers/train_dreambooth_lora_flux.py),$(PY) tests/benchmarks/flux_peer.py run,@echo "the \
 	  Flux row needs diffusers' own script: make bench-peers DIFFUSERS_REPO=<a clone of diffusers>")
 	$(if $(wildcard .gpu-pack/peers/train_dreambooth_lora_qwen_image.py),$(PY) tests/benchmarks/qwen_image_peer.py,\
 	  @echo "the Qwen-Image row needs diffusers' own script: make bench-peers DIFFUSERS_REPO=<a clone of diffusers>")
+	$(if $(wildcard .gpu-pack/peers/train_dreambooth_lora_flux2_klein.py),$(PY) tests/benchmarks/flux2_klein_peer.py \
+	  run,@echo "the FLUX.2 klein row needs diffusers' own script: make bench-peers DIFFUSERS_REPO=<a clone of diffusers>")
 
 # diffusers' example scripts, the peers of the Flux row (and of make gpu-evidence), at the pinned diffusers' tag (or
 # the nearest below it), from a clone of its repository, into .gpu-pack/peers (ignored).
 .PHONY: bench-peers
 bench-peers: install
 	$(PY) tests/benchmarks/flux_peer.py fetch --diffusers_repo "$(DIFFUSERS_REPO)"
+	$(PY) tests/benchmarks/flux2_klein_peer.py fetch --diffusers_repo "$(DIFFUSERS_REPO)"
 
 # On a GPU: train_lora.py on the Stable Diffusion 1.5 architecture (random weights, built on the GPU into
 # models/sd15-random the first time) at 512 px, batch 1 and 4, fp16 and bf16, with and without gradient

@@ -17,7 +17,8 @@ of common/families/ (SD 1.x/2.x, SDXL, SD3, Flux.1, Qwen-Image, Z-Image), each t
     python sample.py --model black-forest-labs/FLUX.1-dev --lora outputs/lora-flux --prompt "..." --device cuda \
         --dtype bf16 --height 1024 --width 1024
 
-A copy also needs the module of its base's family, one of common/families/*.py (sd.py for Stable Diffusion 1.x/2.x).
+A copy also needs the module of its base's family, one of common/families/*.py (sd.py for Stable Diffusion 1.x/2.x;
+FLUX.2 dev: flux2.py with flux2_klein.py).
 Copy with: common/__init__.py, common/args.py, common/base_models.py, common/cli.py, common/deepspeed_engine.py, common/diffusion.py, common/drawing.py, common/families/__init__.py, common/lora_files.py, common/objectives.py, common/pipelines.py, common/prompts.py, common/sgm_names.py, common/ui_lora.py, common/vae.py
 """  # noqa: E501 (the copy list stays one line, for grep)
 import json
@@ -42,7 +43,7 @@ def parse_args(argv=None):
     parser = make_parser(__doc__.splitlines()[0])
     parser.add_argument("--model", required=True,
                         help="Output/checkpoint folder of a recipe, or a pipeline (Stable Diffusion 1.x/2.x, XL or 3, "
-                             "Flux.1, Qwen-Image, Z-Image).")
+                             "Flux.1, FLUX.2 klein or dev, Qwen-Image, Z-Image).")
     parser.add_argument("--output_dir", default=None, help="Default: <model>/samples.")
     parser.add_argument("--num_images", type=positive_int, default=8, help="Images per label or prompt.")
     parser.add_argument("--batch_size", type=positive_int, default=16)
@@ -79,9 +80,9 @@ def parse_args(argv=None):
                         help="SD 1.x/2.x and SDXL: text encoder layers to skip, as the diffusers pipelines count them "
                              "(SDXL from its penultimate layer).")
     parser.add_argument("--max_sequence_length", type=positive_int, default=None,
-                        help="SD3 and Flux.1: T5's prompt length, Z-Image: Qwen3's (default: the pipeline's, 256 "
-                             "for SD3, 512 for Flux.1 and Z-Image); Qwen-Image: the prompt's tokens after its template "
-                             "(512, at most 1024).")
+                        help="SD3 and Flux.1 (T5's), FLUX.2 and Z-Image (their LLM's): the prompt length in tokens "
+                             "(default: the pipeline's, 256 for SD3, 512 for Flux.1, FLUX.2 and Z-Image); Qwen-Image: "
+                             "the prompt's tokens after its template (512, at most 1024).")
     parser.add_argument("--cfg_normalization", type=non_negative_float, default=None,
                         help="Z-Image: each guided prediction's norm kept at most this times the conditional one's (0, "
                              "the default: not limited).")

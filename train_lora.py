@@ -1,10 +1,11 @@
 #!/usr/bin/env python
 """Fine-tune a text-to-image diffusion model with LoRA (peft) on captioned images, the accelerate way.
 
-SD 1.x/2.x and XL (a UNet on DDPM noise), SD 3, Flux.1, Z-Image (transformers trained by flow matching): the base's
-model_index.json names its family, whose module (common/families/) loads it, embeds prompts (SDXL: two CLIPs, pooled
-embedding, each image's size "time ids"; SD3: two CLIPs and T5; Flux.1: CLIP pooled, T5, packed latents, guidance
-input) and calls its denoiser. The denoiser frozen, LoRA (init_lora_weights="gaussian") on its attention projections
+SD 1.x/2.x and XL (a UNet on DDPM noise), SD 3, Flux.1, FLUX.2, Qwen-Image, Z-Image (transformers trained by flow
+matching): the base's model_index.json names its family, whose module (common/families/) loads it, embeds prompts
+(SDXL: two CLIPs, pooled embedding, each image's size "time ids"; SD3: two CLIPs and T5; Flux.1: CLIP pooled, T5,
+packed latents, guidance input; the newer bases: an LLM's hidden states) and calls its denoiser. The denoiser frozen,
+LoRA (init_lora_weights="gaussian") on its attention projections
 (optionally on the CLIP text encoders too), trained on the family's objective (common/objectives.py; the other
 objective's flags are refused); frozen weights in fp16/bf16, LoRA in fp32; latents (--cache_latents) and prompt
 embeddings computed once, then the text encoders leave the accelerator; caption dropout, an EMA of the LoRA weights
@@ -46,7 +47,8 @@ DreamBooth with prior preservation (diffusers' flags; the base draws the missing
         --class_data_dir dog-class --class_prompt "a photo of a dog" --num_class_images 200   (make train-dreambooth)
 Then:  python sample.py --model outputs/lora-naruto --prompt "a girl with pink hair"
 
-A copy also needs the module of its base's family, one of common/families/*.py (sd.py for Stable Diffusion 1.x/2.x).
+A copy also needs the module of its base's family, one of common/families/*.py (sd.py for Stable Diffusion 1.x/2.x;
+FLUX.2 dev: flux2.py with flux2_klein.py).
 Copy with: common/__init__.py, common/args.py, common/base_models.py, common/block_swap.py, common/buckets.py, common/caption_files.py, common/checkpoints.py, common/cli.py, common/deepspeed_engine.py, common/diffusion.py, common/distributed.py, common/drawing.py, common/dreambooth.py, common/families/__init__.py, common/float8_base.py, common/fsdp.py, common/image_data.py, common/lora_adapters.py, common/lora_files.py, common/lora_metadata.py, common/loss_masks.py, common/objectives.py, common/optimizers.py, common/preemption.py, common/prompts.py, common/reporting.py, common/sgm_names.py, common/training.py, common/ui_lora.py, common/vae.py, common/validation_images.py, common/validation_loss.py
 """  # noqa: E501 (the copy list stays one line, for grep)
 import math
@@ -108,16 +110,16 @@ def parse_args(argv=None):
                    help="The update's scale is alpha/r, LoRA's, LoHa's and LoKr's alike; default alpha = r.")
     g.add_argument("--lora_dropout", type=probability, default=0.0)
     g.add_argument("--target_modules", type=comma_list, default=None,
-                   help="Denoiser modules that get LoRA (names or name suffixes); default: the family's attention "
-                        "projections (SD: to_k,to_q,to_v,to_out.0; SD3 and Flux.1 also the text stream's add_*_proj "
-                        "and to_add_out).")
+                   help="Denoiser modules that get LoRA (names, name suffixes or wildcard patterns); default: the "
+                        "family's attention projections (SD: to_k,to_q,to_v,to_out.0; SD3 and Flux.1 also the text "
+                        "stream's add_*_proj and to_add_out; FLUX.2 diffusers' set, single_transformer_blocks.*...).")
     g.add_argument("--use_dora", action="store_true",
                    help="DoRA: weight-decomposed LoRA (exact in diffusers; ComfyUI and Forge apply it approximately, "
                         "A1111 not at all: docs/train_lora.md).")
     add_adapter_args(g)  # --adapter lora|loha|lokr, --lokr_factor
     g.add_argument("--train_text_encoder", action="store_true",
                    help="Also LoRA on the CLIP text encoders' attention projections (SDXL and SD3: both CLIPs; "
-                        "Flux.1: its CLIP; never T5, nor the LLMs of Qwen-Image and Z-Image).")
+                        "Flux.1: its CLIP; never T5, nor the LLMs of FLUX.2, Qwen-Image and Z-Image).")
     g.add_argument("--text_encoder_lr", type=positive_float, default=None, help="Default: --learning_rate.")
     g = parser.add_argument_group("EMA of the LoRA weights")
     add_ema_args(g)

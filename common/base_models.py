@@ -225,13 +225,13 @@ def add_base_model_args(group, default):
     group.add_argument("--revision", default=None, help="Hub revision of the base model.")
     group.add_argument("--variant", default=None, help="Weights variant of the base model, e.g. fp16.")
     group.add_argument("--max_sequence_length", type=positive_int, default=None,
-                       help="SD3 and Flux.1: T5's prompt length in tokens, Z-Image: Qwen3's (default: 77 for SD3, "
-                            "512 for Flux.1 and Z-Image, as diffusers' scripts; short captions train much faster with "
-                            "less); Qwen-Image: the prompt's tokens after its template (512, as diffusers' script; at "
-                            "most 1024).")
+                       help="SD3 and Flux.1 (T5's), FLUX.2 and Z-Image (their LLM's): the prompt length in tokens "
+                            "(default: 77 for SD3, 512 for Flux.1, FLUX.2 and Z-Image, as diffusers' scripts; short "
+                            "captions train much faster with less); Qwen-Image: the prompt's tokens after its template "
+                            "(512, as diffusers' script; at most 1024).")
     group.add_argument("--guidance_scale", type=positive_float, default=None,
-                       help="Flux.1-dev and other guidance-distilled bases: the guidance the denoiser is given while "
-                            "training (default 3.5, as diffusers' Flux script).")
+                       help="Flux.1-dev, FLUX.2 dev and other guidance-distilled bases: the guidance the denoiser is "
+                            "given while training (default 3.5, as diffusers' Flux and FLUX.2 scripts).")
     group.add_argument("--drop_t5", action="store_true",
                        help="SD3: without its T5 text encoder (zeros in its place, as StableDiffusion3Pipeline does "
                             "with text_encoder_3=None): less memory; a folder without text_encoder_3/ needs it.")

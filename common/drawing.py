@@ -32,7 +32,7 @@ def draw_images(pipe, family, prompts, seeds, height, width, steps, guidance, ne
     if negative_prompt:
         kwargs["negative_prompt"] = [negative_prompt] * len(prompts)
     with torch.no_grad():
-        latents = pipe(list(prompts), height=height, width=width, num_inference_steps=steps,
+        latents = pipe(prompt=list(prompts), height=height, width=width, num_inference_steps=steps,
                        generator=[torch.Generator().manual_seed(seed) for seed in seeds], output_type="latent",
                        **kwargs).images
     return decode_fp32(pipe, family.unpack_latents(pipe, latents, height, width), family.latent_config(pipe.vae))

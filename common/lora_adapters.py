@@ -143,7 +143,7 @@ def add_lora(family, denoiser, text_encoders, args):
     check_target_modules(denoiser, args.target_modules, "--target_modules",
                          {"unet": "UNet"}.get(family.DENOISER, family.DENOISER))
     try:
-        denoiser.add_adapter(config(args.target_modules))
+        denoiser.add_adapter(config(expand_targets(denoiser, args.target_modules)))
     except (ValueError, TypeError) as err:  # e.g. a target that is not a Linear/Conv layer
         raise UserError(f"--target_modules: {first_line(err)}") from None
     trained = {family.DENOISER: denoiser}
@@ -154,13 +154,35 @@ def add_lora(family, denoiser, text_encoders, args):
     return trained
 
 
+def is_pattern(target):
+    """A target with a shell wildcard (`single_transformer_blocks.*.attn.to_out`): a pattern of module names."""
+    return any(char in target for char in "*?[")
+
+
+def target_matches(name, target):
+    """peft's rule (the full name or a name suffix), with a wildcard pattern matched against either."""
+    import fnmatch
+
+    if is_pattern(target):
+        return fnmatch.fnmatchcase(name, target) or fnmatch.fnmatchcase(name, "*." + target)
+    return name == target or name.endswith("." + target)
+
+
+def expand_targets(model, targets):
+    """Targets as peft takes them: each wildcard pattern replaced by the full names of the modules it matches."""
+    names = [name for name, _ in model.named_modules() if name]
+    return [match for target in targets
+            for match in ([n for n in names if target_matches(n, target)] if is_pattern(target) else [target])]
+
+
 def check_target_modules(model, targets, flag, what):
-    """peft matches a target by full name or name suffix; name the closest module names when one matches nothing."""
+    """peft matches a target by full name or name suffix (a wildcard pattern here: by the names it matches); name the
+    closest module names when one matches nothing."""
     import difflib
 
     names = [name for name, _ in model.named_modules() if name]
     for target in targets:
-        if not any(name == target or name.endswith("." + target) for name in names):
+        if not any(target_matches(name, target) for name in names):
             suffixes = {".".join(n.split(".")[-k:]) for n in names for k in (1, 2)}
             suffixes = sorted(suffixes - {str(i) for i in range(99)})
             close = difflib.get_close_matches(target, suffixes, n=4, cutoff=0.5)

@@ -202,7 +202,7 @@ def trace_sd(pipe, args, rec, generator, steps_kept):
     vae = pipe.vae.config
     shift = f" + shift_factor {vae.shift_factor}" if vae.get("shift_factor") else ""
     scale = (f"latents / scaling_factor {vae.scaling_factor}{shift}" if vae.get("scaling_factor")
-             else "latents * latents_std + latents_mean, per channel")  # (Qwen-Image's VAE)
+             else "latents as the pipeline denormalized them")  # (Qwen-Image: per channel; FLUX.2: batch norm)
     rec.wrap(pipe.vae, "decode", lambda a, kw, out, ms, start: rec.add(
         "vae.decode", ms, latents=shape(a[0] if a else kw["z"]), image=shape(out[0]),
         note=f"in: {scale}; out: pixels in [-1, 1]"))
@@ -218,7 +218,7 @@ def trace_sd(pipe, args, rec, generator, steps_kept):
     inputs = [k for k in ("latents", "prompt_embeds", "add_text_embeds", "add_time_ids")
               if k in getattr(pipe, "_callback_tensor_inputs", [])]
     try:
-        images = pipe(args.prompt, num_inference_steps=args.num_inference_steps, height=height, width=width,
+        images = pipe(prompt=args.prompt, num_inference_steps=args.num_inference_steps, height=height, width=width,
                       **pipeline_guidance(pipe, args.guidance_scale, args.num_images),
                       num_images_per_prompt=args.num_images, generator=generator, callback_on_step_end=on_step_end,
                       callback_on_step_end_tensor_inputs=inputs).images

@@ -218,10 +218,30 @@ def tiny_qwen_image(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_flux2_klein(tmp_path_factory):
+    """The tiny random-init FLUX.2 klein pipeline of `make tiny-flux2-klein`, built once per test session."""
+    from demo.tiny_flux2 import write_tiny_flux2_klein
+
+    path = tmp_path_factory.mktemp("models") / "tiny-flux2-klein"
+    write_tiny_flux2_klein(str(path))
+    return path
+
+
+@pytest.fixture(scope="session")
 def tiny_z_image(tmp_path_factory):
     """The tiny random-init Z-Image pipeline of `make tiny-z-image`, built once per test session."""
     from demo.tiny_z_image import write_tiny_z_image
 
     path = tmp_path_factory.mktemp("models") / "tiny-z-image"
     write_tiny_z_image(str(path))
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_flux2(tmp_path_factory):
+    """The tiny random-init FLUX.2 dev pipeline of `make tiny-flux2`, built once per test session."""
+    from demo.tiny_flux2 import write_tiny_flux2
+
+    path = tmp_path_factory.mktemp("models") / "tiny-flux2"
+    write_tiny_flux2(str(path))
     return path

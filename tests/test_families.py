@@ -46,8 +46,25 @@ def test_a_lora_files_family_is_read_from_its_metadata(name):
     module = family_module(name)
     for key, prefixes in module.LORA_METADATA.items():
         assert lora_family({key: prefixes[0] + "-something"}, [])[0] == name
-    for prefix in module.LORA_KEY_PREFIXES:
-        assert lora_family({}, [prefix + "0.lora_A.weight"])[0] == name
+    for prefix in module.LORA_KEY_PREFIXES:  # (FLUX.2 dev and klein share theirs: the base's family is the one)
+        assert lora_family({}, [prefix + "0.lora_A.weight"], prefer=name)[0] == name
+
+
+def test_a_family_module_without_the_module_it_builds_on_is_one_line(tmp_path):
+    """FLUX.2 dev's module takes klein's: a copy with flux2.py and not flux2_klein.py says which file to copy."""
+    import shutil
+    import subprocess
+    import sys
+
+    (tmp_path / "common" / "families").mkdir(parents=True)
+    for name in ("__init__.py", "cli.py", "families/__init__.py", "families/flux2.py"):
+        shutil.copy(ROOT / "common" / name, tmp_path / "common" / name)
+    proc = subprocess.run([sys.executable, "-c", "from common.families import family_module\n"
+                           "from common.cli import UserError\ntry:\n    family_module('flux2')\n"
+                           "except UserError as err:\n    print(err)"], cwd=tmp_path, capture_output=True, text=True,
+                          env={"PYTHONPATH": str(tmp_path)})
+    assert proc.stdout.strip() == ("common/families/flux2.py needs common/families/flux2_klein.py, the module of "
+                                   "Flux2Pipeline bases: copy it beside common/families/__init__.py"), proc.stderr
 
 
 TURBO_CARD = """# Z-Image-Turbo

@@ -1,10 +1,12 @@
-"""The flow-matching families end to end on the tiny random-init SD3, Flux.1, Qwen-Image and Z-Image (`make tiny-sd3`,
-`make tiny-flux`, `make tiny-qwen-image`, `make tiny-z-image`): train_lora.py with LoRA on the transformer and the
-CLIP text encoder(s) where the family offers it (none on the LLMs of Qwen-Image and Z-Image), its files read back by
-the pipelines' load_lora_weights, an exact resume, two processes, sample.py against the pipeline itself, the
-validation image against sample.py, inspect_pipeline.py's trace, train_text_to_image.py's full fine-tune, a copy of
-train_lora.py with the Flux module alone, and the one-line errors of the flags and files that do not fit these
-families."""
+"""The flow-matching families end to end on the tiny random-init SD3, Flux.1, FLUX.2 klein and dev, Qwen-Image and
+Z-Image (`make tiny-sd3`, `make tiny-flux`, `make tiny-flux2-klein`, `make tiny-flux2`, `make tiny-qwen-image`, `make
+tiny-z-image`): train_lora.py with LoRA on the transformer and the CLIP text encoder(s) where the family offers it
+(none on the LLMs of FLUX.2, Qwen-Image and Z-Image), its files read back by the pipelines' load_lora_weights, an exact
+resume, two processes, sample.py against the pipeline itself, the validation image against sample.py,
+inspect_pipeline.py's trace, train_text_to_image.py's full fine-tune, a copy of train_lora.py with one family module
+alone, and the one-line errors of the flags and files that do not fit these families. FLUX.2 dev shares everything
+with klein but its text encoder and guidance input: it joins the tests of those (training, loading back, sampling,
+the trace), not the multi-process and full fine-tune runs."""
 import json
 import shutil
 
@@ -24,16 +26,17 @@ STEPS = ["--max_train_samples", "32", "--train_batch_size", "4", "--max_train_st
 SIZE = ["--height", "32", "--width", "32"]  # sample.py's and inspect_pipeline.py's (Qwen-Image's default is 512 here)
 VALIDATION = ["--validation_prompt", "a handwritten digit seven", "--validation_steps", "6",
               "--num_validation_images", "1", "--validation_inference_steps", "2", "--validation_split", "0.1"]
-PIPELINES = {"flux": "FluxPipeline", "sd3": "StableDiffusion3Pipeline", "qwen_image": "QwenImagePipeline",
-             "z_image": "ZImagePipeline"}
+PIPELINES = {"flux": "FluxPipeline", "sd3": "StableDiffusion3Pipeline", "flux2_klein": "Flux2KleinPipeline",
+             "flux2": "Flux2Pipeline", "qwen_image": "QwenImagePipeline", "z_image": "ZImagePipeline"}
 NAMES = FAMILIES = list(PIPELINES)
 UI_PREFIX = {"flux": "transformer", "sd3": "transformer", "qwen_image": "diffusion_model",
              "z_image": "diffusion_model"}  # the UI file's: ComfyUI's own names where it has no diffusers branch
 
 
 @pytest.fixture(scope="module")
-def bases(tiny_flux, tiny_sd3, tiny_qwen_image, tiny_z_image):
-    return {"flux": tiny_flux, "sd3": tiny_sd3, "qwen_image": tiny_qwen_image, "z_image": tiny_z_image}
+def bases(tiny_flux, tiny_sd3, tiny_flux2_klein, tiny_flux2, tiny_qwen_image, tiny_z_image):
+    return {"flux": tiny_flux, "sd3": tiny_sd3, "flux2_klein": tiny_flux2_klein, "flux2": tiny_flux2,
+            "qwen_image": tiny_qwen_image, "z_image": tiny_z_image}
 
 
 def family_flags(name, base):
@@ -47,6 +50,9 @@ def family_flags(name, base):
     if family.native_resolution(component_configs(base, ("vae", family.DENOISER))) != 32:
         flags += ["--buckets", "auto"]
     return flags
+
+
+ONE_VARIANT = [name for name in NAMES if name != "flux2"]  # (FLUX.2 dev: klein's runs but its encoder and guidance)
 
 
 def text_lora(name):
@@ -71,14 +77,15 @@ def pipeline(name, base):
 
 
 def fixed_outputs(name, pipe):
-    """The transformer's output on fixed inputs, and each CLIP text encoder's on one prompt."""
+    """The transformer's output on fixed inputs (16 latent channels in every tiny build), and each CLIP text
+    encoder's on one prompt."""
     family = family_module(name)
     g = torch.Generator().manual_seed(0)
     x = torch.randn(2, 16, 8, 8, generator=g)
     ids = family.tokenize(pipe.components, ["a handwritten digit seven"] * 2, 40)
     with torch.no_grad():
         cond = family.encode_prompts(pipe.components, ids)
-        out = family.denoise(pipe.transformer, x, torch.tensor([100.0, 700.0]), cond, 3.5 if name == "flux" else None)
+        out = family.denoise(pipe.transformer, x, torch.tensor([100.0, 700.0]), cond, family.TRAINING_GUIDANCE)
         texts = [pipe.components[enc](ids[i])[0] for i, enc in enumerate(family.TEXT_ENCODERS)
                  if enc in family.LORA_TEXT_ENCODERS]
     return out, texts
@@ -89,8 +96,10 @@ def reference(name, base, checkpoint):
     from peft import LoraConfig
     from peft.utils import set_peft_model_state_dict
 
+    from common.lora_adapters import expand_targets
+
     family, pipe = family_module(name), pipeline(name, base)
-    models = {"transformer": family.LORA_TARGETS.split(","),
+    models = {"transformer": expand_targets(pipe.transformer, family.LORA_TARGETS.split(",")),
               **{enc: list(family.TEXT_LORA_TARGETS) for enc in family.LORA_TEXT_ENCODERS}}
     for part, targets in models.items():
         pipe.components[part].add_adapter(LoraConfig(r=4, lora_alpha=8, init_lora_weights="gaussian",
@@ -116,16 +125,25 @@ def test_the_lora_loads_back_exactly(trained):
         assert (ours - theirs).abs().max() < 1e-5 and (base_text - theirs).abs().max() > 1e-5
     info = json.loads((out / "lora_info.json").read_text())
     assert info["target_modules"] == family_module(name).LORA_TARGETS.split(",")
-    # the UI file: the same weights under the names ComfyUI reads for this family, each module with its alpha
+    # the UI file: the same weights under the names ComfyUI reads for this family (tests/test_ui_lora.py holds them
+    # against ComfyUI's map), each module with its alpha: alpha / rank as trained
     ui = load_file(out / "pytorch_lora_weights_kohya.safetensors")
-    adapter = load_file(out / "checkpoint-6" / "transformer" / "adapter_model.safetensors")
-    assert adapter and all(torch.equal(ui[f"{UI_PREFIX[name]}.{key}"], value) for key, value in adapter.items())
-    alphas = {key: value for key, value in ui.items() if key.endswith(".alpha")}
-    assert alphas and all(value.item() == 8 for value in alphas.values())
+    alphas = {key.removesuffix(".alpha"): value.item() for key, value in ui.items() if key.endswith(".alpha")}
+    ranks = {module: ui.get(f"{module}.lora_down.weight", ui.get(f"{module}.lora_A.weight")).shape[0]
+             for module in alphas}
+    assert alphas and all(alpha / ranks[module] == 2 for module, alpha in alphas.items())
+    if family_module(name).UI_IMPLEMENTATION == "diffusers":  # diffusers' module paths, as they are
+        adapter = load_file(out / "checkpoint-6" / "transformer" / "adapter_model.safetensors")
+        assert adapter and all(torch.equal(ui[f"transformer.{key}"], value) for key, value in adapter.items())
+    else:  # the base's own module names (FLUX.2's fused q, k, v): diffusers' loader reads them back to the same model
+        pipe = pipeline(name, base)
+        pipe.load_lora_weights(out, weight_name="pytorch_lora_weights_kohya.safetensors")
+        assert (fixed_outputs(name, pipe)[0] - expected[0]).abs().max() < 1e-5
     card = (out / "README.md").read_text()
     assert PIPELINES[name] in card
 
 
+@pytest.mark.parametrize("trained", ["flux", "sd3", "flux2_klein"], indirect=True)  # (dev resumes as klein does)
 def test_resume_is_exact(trained, digits, tmp_path):
     """From checkpoint-3, the same steps 4-6 (losses) and the same LoRA, bit for bit."""
     name, base, out = trained
@@ -191,6 +209,18 @@ def test_inspect_traces_the_flow_pipeline(trained):
         assert all(s["transformer_in"]["sample"] == [1, 16, 64] and s["transformer_in"]["img_shapes"] == [[[1, 4, 4]]]
                    and "encoder_hidden_states_mask" not in s["transformer_in"] for s in steps)  # (one prompt: no pad)
         return
+    if name.startswith("flux2"):  # 2 x 2 patches of 4 channels: 16 tokens of 16, 4-axis ids; 3 Qwen3/Mistral3 layers
+        assert report["vae"]["packed_latent_shape"] == [1, 16, 16]
+        assert all(s["transformer_in"]["sample"] == [1, 16, 16] and s["transformer_in"]["img_ids"] == [1, 16, 4]
+                   and s["transformer_in"]["encoder_hidden_states"] == [1, 512, 48] for s in steps)
+        text = [s for s in stages if s["stage"] == "text_encoder"]
+        assert all(s["hidden_states[-2]"] == [1, 512, 16] for s in text)
+        if name == "flux2":  # the guidance is an input: one call a step
+            assert len(steps) == 2 and len(text) == 1
+            assert all(s["transformer_in"]["guidance"] == {"shape": [1], "value": 4.0} for s in steps)
+        else:  # klein: true CFG, the prompt's call and the empty prompt's each step
+            assert len(steps) == 4 and len(text) == 2 and all("guidance" not in s["transformer_in"] for s in steps)
+        return
     text = {"flux": "text_encoder_2", "sd3": "text_encoder_3", "z_image": "text_encoder"}[name]  # T5, Qwen3
     t5 = next(s for s in stages if s["stage"] == text)
     if name == "z_image":  # lists: latents [C, 1, h, w], each prompt's own tokens (Qwen3's penultimate layer)
@@ -210,7 +240,7 @@ def test_inspect_traces_the_flow_pipeline(trained):
         assert report["trace"]["guided"] and t5["last_hidden_state"] == [1, 256, 96]
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", ONE_VARIANT)
 def test_two_processes(name, bases, digits, tmp_path):
     """Two CPU processes: the held-out loss at step 0 is the one-process value (the images are shared out and the
     sums reduced), the run finishes and saves."""
@@ -225,7 +255,7 @@ def test_two_processes(name, bases, digits, tmp_path):
     assert (tmp_path / "two" / "pytorch_lora_weights.safetensors").is_file()
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", ONE_VARIANT)
 def test_full_fine_tune_saves_a_pipeline(name, bases, digits, tmp_path):
     """train_text_to_image.py on the transformer (Flux: a fresh one from --transformer_config), with its EMA: the
     output loads with from_pretrained and holds the EMA weights, and samples."""
@@ -241,25 +271,27 @@ def test_full_fine_tune_saves_a_pipeline(name, bases, digits, tmp_path):
     saved = pipe.transformer.state_dict()
     key = next(k for k in raw if k.endswith(".weight") and raw[k].ndim == 2)
     assert torch.equal(saved[key], ema[key]) and not torch.equal(saved[key], raw[key])
-    image = pipe("a handwritten digit seven", num_inference_steps=2, height=32, width=32, max_sequence_length=40,
-                 generator=torch.Generator().manual_seed(0)).images[0]
+    image = pipe(prompt="a handwritten digit seven", num_inference_steps=2, height=32, width=32,
+                 max_sequence_length=40, generator=torch.Generator().manual_seed(0)).images[0]
     assert image.size == (32, 32)
 
 
-def test_train_lora_copied_with_the_flux_module_alone(tiny_flux, digits, tmp_path):
-    """The copy list plus common/families/flux.py trains on a Flux base; without that module, one line says so."""
+@pytest.mark.parametrize("name", ["flux", "flux2_klein"])
+def test_train_lora_copied_with_the_family_module_alone(name, bases, digits, tmp_path):
+    """The copy list plus the base's family module (common/families/flux.py, flux2_klein.py) trains on that base;
+    without that module, one line says so."""
     from conftest import offline_env
     from test_copy_list import copy_into
 
     copy_into(tmp_path, "train_lora.py")
-    args = ["--train_data_dir", digits, "--pretrained_model_name_or_path", tiny_flux, "--output_dir", "out",
+    args = ["--train_data_dir", digits, "--pretrained_model_name_or_path", bases[name], "--output_dir", "out",
             "--max_train_samples", "8", "--train_batch_size", "4", "--max_train_steps", "1", "--max_sequence_length",
             "8", "--report_to", "none"]
     proc = launch(tmp_path / "train_lora.py", *args, cwd=tmp_path, env=offline_env(PYTHONPATH=""), check=False)
-    assert_one_line_error(proc, "common/families/flux.py")
+    assert_one_line_error(proc, f"common/families/{name}.py")
     assert not (tmp_path / "out").exists()
-    shutil.copy(ROOT / "common" / "families" / "flux.py", tmp_path / "common" / "families" / "flux.py")
-    assert sorted(p.name for p in (tmp_path / "common" / "families").glob("*.py")) == ["__init__.py", "flux.py"]
+    shutil.copy(ROOT / "common" / "families" / f"{name}.py", tmp_path / "common" / "families" / f"{name}.py")
+    assert sorted(p.name for p in (tmp_path / "common" / "families").glob("*.py")) == ["__init__.py", f"{name}.py"]
     launch(tmp_path / "train_lora.py", *args, cwd=tmp_path, env=offline_env(PYTHONPATH=""))
     assert (tmp_path / "out" / "pytorch_lora_weights.safetensors").is_file()
 
@@ -276,6 +308,16 @@ def sd3_without_t5(tiny_sd3, tmp_path_factory):
     path = tmp_path_factory.mktemp("sd3") / "no-t5"
     shutil.copytree(tiny_sd3, path, ignore=shutil.ignore_patterns("text_encoder_3", "tokenizer_3"))
     return path
+
+
+@pytest.fixture(scope="module")
+def klein_without(tiny_flux2_klein, tmp_path_factory):
+    """The tiny FLUX.2 klein folder without its text encoder, and without its tokenizer."""
+    paths = {}
+    for part in ("text_encoder", "tokenizer"):
+        paths[part] = tmp_path_factory.mktemp("klein") / f"no-{part}"
+        shutil.copytree(tiny_flux2_klein, paths[part], ignore=shutil.ignore_patterns(part))
+    return paths
 
 
 BAD = {
@@ -307,6 +349,18 @@ BAD = {
                                          "not a Z-Image pipeline folder", "tokenizer, text_encoder"),
     "guidance-on-z-image": (["--pretrained_model_name_or_path", "{z_image}", "--guidance_scale", "4"],
                             "--guidance_scale", "Z-Image"),
+    "flux2-resolution": (["--pretrained_model_name_or_path", "{flux2_klein}", "--resolution", "36"],
+                         "--resolution 36", "32 or 40", "2 x 2 patches"),
+    "text-encoder-lora-on-flux2-klein": (["--pretrained_model_name_or_path", "{flux2_klein}", "--train_text_encoder"],
+                                         "--train_text_encoder", "FLUX.2 klein", "leave it out"),
+    "text-encoder-lr-on-flux2-dev": (["--pretrained_model_name_or_path", "{flux2}", "--text_encoder_lr", "1e-5"],
+                                     "--text_encoder_lr", "FLUX.2 dev"),
+    "guidance-on-flux2-klein": (["--pretrained_model_name_or_path", "{flux2_klein}", "--guidance_scale", "3"],
+                                "--guidance_scale", "FLUX.2 klein"),
+    "flux2-without-text-encoder": (["--pretrained_model_name_or_path", "{klein_no_text_encoder}"],
+                                   "FLUX.2 klein", "no text_encoder"),
+    "flux2-without-tokenizer": (["--pretrained_model_name_or_path", "{klein_no_tokenizer}"], "FLUX.2 klein",
+                                "no tokenizer"),
 }
 
 
@@ -319,10 +373,11 @@ def z_image_without_text(tiny_z_image, tmp_path_factory):
 
 @pytest.mark.parametrize("case", sorted(BAD))
 def test_bad_input_is_one_line_and_writes_nothing(case, bases, tiny_sd, sd3_without_t5, qwen_without_tokenizer,
-                                                  z_image_without_text, digits, tmp_path):
+                                                  z_image_without_text, klein_without, digits, tmp_path):
     flags, *needles = BAD[case]
     paths = {**bases, "sd": tiny_sd, "sd3_no_t5": sd3_without_t5, "qwen_no_tokenizer": qwen_without_tokenizer,
-             "z_image_no_text": z_image_without_text}
+             "z_image_no_text": z_image_without_text,
+             **{f"klein_no_{part}": path for part, path in klein_without.items()}}
     flags = [flag.format(**paths) for flag in flags]
     proc = run_script("train_lora.py", "--train_data_dir", digits, "--output_dir", tmp_path / "out", *flags)
     assert_one_line_error(proc, *needles)
@@ -436,3 +491,45 @@ def test_sample_py_draws_a_distilled_base_as_its_model_card_says(tiny_z_image, t
     image = ZImagePipeline.from_pretrained(base)("a handwritten digit seven", num_inference_steps=9, guidance_scale=0.0,
                                                  height=32, width=32, generator=torch.Generator().manual_seed(0))
     assert np.abs(pixels(tmp_path / "s" / "0000.png") - np.asarray(image.images[0]).astype(int)).max() <= 1
+
+
+def flux2_lora(name, base, folder, metadata=True):
+    """A LoRA file of the FLUX.2 family `name` as save_lora_weights writes it (its metadata says its base, or not)."""
+    from peft import LoraConfig
+
+    from common.lora_files import save_lora_weights
+
+    family, pipe = family_module(name), pipeline(name, base)
+    pipe.transformer.add_adapter(LoraConfig(r=2, target_modules=["to_qkv_mlp_proj", "to_q"]))
+    save_lora_weights(str(folder), family, {"transformer": pipe.transformer}, {"base_model": str(base), "rank": 2,
+                                                                                "lora_alpha": 2},
+                      metadata=family.base_metadata(pipe.transformer.config, None) if metadata else None)
+    return folder
+
+
+def test_a_flux2_lora_on_the_other_flux2_or_on_flux1_is_one_line(bases, tmp_path):
+    """FLUX.2 dev's LoRA on klein (sample.py: one line, before anything loads), and each way between dev, klein and
+    Flux.1, told from the file's metadata; without metadata, FLUX.2's own tensor names tell FLUX.2 from Flux.1, and a
+    FLUX.2 LoRA passes on either FLUX.2 base (their names are the same)."""
+    from common.cli import UserError
+    from common.families import check_lora_base
+    from common.lora_files import check_safetensors, lora_file_metadata, lora_weights_file
+
+    files = {name: flux2_lora(name, bases[name], tmp_path / name) for name in ("flux2", "flux2_klein")}
+    proc = run_script("sample.py", "--model", bases["flux2_klein"], "--lora", files["flux2"], "--prompt", "x",
+                      "--output_dir", tmp_path / "s")
+    assert_one_line_error(proc, "FLUX.2 dev LoRA", "modelspec.architecture flux-2-dev", "FLUX.2 klein")
+    assert not (tmp_path / "s").exists()
+
+    def check(name, base, metadata=True):
+        path = files[name] if metadata else flux2_lora(name, bases[name], tmp_path / f"{name}-bare", False)
+        keys = check_safetensors(lora_weights_file(str(path)), "--lora")
+        check_lora_base("--lora", str(path), lora_file_metadata(str(path)), keys, str(bases[base]), base)
+
+    for name, base in (("flux2_klein", "flux2"), ("flux2", "flux"), ("flux2_klein", "flux")):
+        with pytest.raises(UserError, match=f"is a {family_module(name).NAME} LoRA"):
+            check(name, base)
+    for base in ("flux2", "flux2_klein"):
+        check("flux2", base, metadata=False)
+    with pytest.raises(UserError, match="is a FLUX.2"):
+        check("flux2", "flux", metadata=False)

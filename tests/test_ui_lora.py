@@ -483,3 +483,141 @@ def test_z_image_transformer_names_are_comfyuis(comfyui_z_image_keys, tmp_path, 
         with torch.no_grad():
             got = fresh(x, torch.tensor([0.4]), caption, return_dict=False)[0][0]
         assert (got - expected).abs().max() < 1e-5
+
+
+# FLUX.2: the UI file holds FLUX.2's own module names (kohya's lora_unet_ prefix), the double blocks' q, k and v fused
+# (common/families/flux2_klein.py); ComfyUI's map for a FLUX.2 model, pinned from ComfyUI's loader by
+# tests/tools/comfyui_flux2_lora.py, which also ran ComfyUI's loader on such files.
+@pytest.fixture(scope="module")
+def comfyui_flux2_keys():
+    with gzip.open(ROOT / "tests" / "data" / "comfyui_lora_keys_flux2.json.gz", "rt") as f:
+        return json.load(f)["flux2"]
+
+
+def flux2_transformer():
+    """diffusers' FLUX.2 transformer (2 blocks of each kind, the guidance input) at tiny widths."""
+    from diffusers import Flux2Transformer2DModel
+
+    torch.manual_seed(0)
+    return Flux2Transformer2DModel(in_channels=16, num_layers=2, num_single_layers=2, attention_head_dim=16,
+                                   num_attention_heads=2, joint_attention_dim=48, timestep_guidance_channels=32,
+                                   axes_dims_rope=(4, 4, 4, 4), guidance_embeds=True)
+
+
+def flux2_adapter(adapter, targets, dora=False, alpha=2):
+    """The transformer with train_lora.py's adapter (rank 4) on `targets`, its weights moved as if trained."""
+    from types import SimpleNamespace
+
+    from common.lora_adapters import adapter_config
+
+    model = flux2_transformer()
+    flags = SimpleNamespace(adapter=adapter, rank=4, lora_alpha=alpha, lora_dropout=0.0, use_dora=dora, lokr_factor=-1)
+    model.add_adapter(adapter_config(flags, targets))
+    with torch.no_grad():
+        for key, p in model.named_parameters():
+            if any(part in key for part in (".lora_", ".hada_", ".lokr_")):
+                p.add_(0.1 * torch.randn_like(p))
+    return model
+
+
+def flux2_native(model, merge):
+    """The model's weights (its adapter merged by peft, or not) in FLUX.2's own names."""
+    import copy
+
+    from peft.tuners.tuners_utils import BaseTunerLayer
+    from tools.flux2_native import native_state_dict
+
+    model = copy.deepcopy(model)
+    for module in model.modules():
+        if merge and isinstance(module, BaseTunerLayer):
+            module.merge()
+    return native_state_dict({k.replace(".base_layer", ""): v for k, v in model.state_dict().items()
+                              if not any(part in k for part in (".lora_", ".hada_", ".lokr_"))})
+
+
+def test_flux2_native_names_are_diffusers_own_conversion():
+    """tests/tools/flux2_native.py (diffusers' names -> FLUX.2's) inverts diffusers' own FLUX.2 checkpoint converter."""
+    from diffusers.loaders.single_file_utils import convert_flux2_transformer_checkpoint_to_diffusers
+    from tools.flux2_native import native_state_dict
+
+    state = flux2_transformer().state_dict()
+    back = convert_flux2_transformer_checkpoint_to_diffusers(native_state_dict(state))
+    assert back.keys() == state.keys() and all(torch.equal(back[k], state[k]) for k in state)
+
+
+def comfyui_update(weights, module, adapter):
+    """A module's update as ComfyUI computes it from the file (comfy/weight_adapter/lora.py, loha.py, lokr.py): its
+    product at alpha / rank (a LoKr whose factors are both full: at scale 1)."""
+    get = weights.get
+    alpha = weights[f"{module}.alpha"].item()
+    if adapter == "loha":
+        return alpha / get(f"{module}.hada_w1_b").shape[0] * (get(f"{module}.hada_w1_a") @ get(f"{module}.hada_w1_b")) \
+            * (get(f"{module}.hada_w2_a") @ get(f"{module}.hada_w2_b"))
+    if adapter == "lokr":
+        w1 = get(f"{module}.lokr_w1")
+        w1 = w1 if w1 is not None else get(f"{module}.lokr_w1_a") @ get(f"{module}.lokr_w1_b")
+        w2 = get(f"{module}.lokr_w2")
+        w2 = w2 if w2 is not None else get(f"{module}.lokr_w2_a") @ get(f"{module}.lokr_w2_b")
+        low = get(f"{module}.lokr_w2_b", get(f"{module}.lokr_w1_b"))
+        return (1.0 if low is None else alpha / low.shape[0]) * torch.kron(w1, w2)
+    down = weights[f"{module}.lora_down.weight"]
+    return alpha / down.shape[0] * (weights[f"{module}.lora_up.weight"] @ down)
+
+
+@pytest.mark.parametrize("adapter,targets,dora", [
+    ("lora", "every", False), ("lora", "every", True), ("loha", "every", False), ("lokr", "every", False),
+    ("lora", "to_q,to_k,add_v_proj", False), ("lora", "default", False)],
+    ids=["lora", "dora", "loha", "lokr", "some-of-qkv", "default-targets"])
+def test_flux2_ui_file_is_comfyuis_names_and_the_trained_weights(comfyui_flux2_keys, adapter, targets, dora):
+    """flux2_klein.ui_lora on an adapter over diffusers' FLUX.2 transformer (a LoKr's scale baked as
+    save_lora_weights bakes it): every module under a name ComfyUI's map gives a FLUX.2 model, and the file applied as
+    ComfyUI applies it (the update on the weight, or the slice of it, the name maps to, its halves swapped where the
+    map says; DoRA by peft's definition, m W' / ||W'|| per row) gives, weight for weight, peft's merged model in
+    FLUX.2's names: fused q/k/v, swapped halves and alphas included."""
+    from peft.utils import get_peft_model_state_dict
+
+    from common.families import flux2_klein
+    from common.lora_adapters import comma_list, expand_targets
+    from common.ui_lora import bake_lokr_scale
+
+    every = [name for name, m in flux2_transformer().named_modules() if isinstance(m, torch.nn.Linear)]
+    names = {"every": every, "default": comma_list(flux2_klein.LORA_TARGETS)}.get(targets) or comma_list(targets)
+    model = flux2_adapter(adapter, expand_targets(flux2_transformer(), names), dora)
+    state = get_peft_model_state_dict(model)
+    weights = flux2_klein.ui_lora({"transformer": bake_lokr_scale(state, 2 / 4) if adapter == "lokr" else state}, 2,
+                                  model.config)
+    base, expected = flux2_native(model, merge=False), flux2_native(model, merge=True)
+    modules = {key.rsplit(".", 2 if key.endswith(".weight") else 1)[0] for key in weights}
+    assert modules <= set(comfyui_flux2_keys), sorted(modules - set(comfyui_flux2_keys))
+    patched = {}
+    for module in modules:
+        target, ndim, offset, swapped = comfyui_flux2_keys[module]
+        weight = patched.setdefault(target, base[target].float().clone())
+        assert weight.dim() == ndim
+        update = comfyui_update(weights, module, adapter)
+        update = torch.cat(update.chunk(2)[::-1]) if swapped else update
+        if offset:  # a third of the fused qkv weight (the pinned model's width: the same third of this one's)
+            dim, start, size = offset
+            view = weight.narrow(dim, start // size * weight.shape[dim] // 3, weight.shape[dim] // 3)
+        else:
+            view = weight
+        view += update
+        if dora:
+            view.copy_(weights[f"{module}.dora_scale"] * view / view.norm(dim=1, keepdim=True))
+    changed = {key for key in expected if not torch.equal(expected[key], base[key])}
+    assert changed and changed <= set(patched)
+    for target, weight in patched.items():
+        assert (weight - expected[target]).abs().max() / expected[target].abs().max() < 1e-5, target
+
+
+def test_flux2_ui_file_refuses_a_dora_on_part_of_a_fused_weight():
+    """A DoRA on some of a double block's q, k and v cannot be written as FLUX.2's fused qkv weight (the missing
+    parts' magnitudes are the base weight's norms, which the file cannot know): one line, naming what to do."""
+    from peft.utils import get_peft_model_state_dict
+
+    from common.families import flux2_klein
+
+    model = flux2_adapter("lora", ["to_q", "to_k"], dora=True)
+    with pytest.raises(UserError) as err:
+        flux2_klein.ui_lora({"transformer": get_peft_model_state_dict(model)}, 2, model.config)
+    assert "DoRA" in str(err.value) and "target all three" in str(err.value) and "\n" not in str(err.value)

@@ -17,8 +17,9 @@ from ..cli import UserError, first_line
 # The registry: model_index.json's pipeline class -> the family module that trains and draws it, one line a family.
 # The most specific family first: a LoRA file that names no base is matched against the families in this order.
 # Everything else about a family (its name, denoiser, the names in its LoRA files) is in its own module.
-FAMILIES = {"StableDiffusionXLPipeline": "sdxl", "FluxPipeline": "flux", "StableDiffusion3Pipeline": "sd3",
-            "QwenImagePipeline": "qwen_image", "ZImagePipeline": "z_image", "StableDiffusionPipeline": "sd"}
+FAMILIES = {"StableDiffusionXLPipeline": "sdxl", "Flux2KleinPipeline": "flux2_klein", "Flux2Pipeline": "flux2",
+            "FluxPipeline": "flux", "StableDiffusion3Pipeline": "sd3", "QwenImagePipeline": "qwen_image",
+            "ZImagePipeline": "z_image", "StableDiffusionPipeline": "sd"}
 UNET_PREFIXES = ("unet.", "lora_unet_down_blocks_", "lora_unet_up_blocks_", "lora_unet_mid_block_")
 TRANSFORMER_PREFIXES = ("transformer.", "lora_transformer_")
 
@@ -74,11 +75,14 @@ def family_module(name):
     try:
         return importlib.import_module(f"{__name__}.{name}")
     except ModuleNotFoundError as err:
-        if err.name != f"{__name__}.{name}":
+        if not (err.name or "").startswith(f"{__name__}."):
             raise
+        missing = err.name.rpartition(".")[2]  # this family's module, or a family module it builds on
         pipelines = ", ".join(p for p, module in FAMILIES.items() if module == name) or name
-        raise UserError(f"this copy of the recipes has no common/families/{name}.py, the module of {pipelines} "
-                        "bases: copy it beside common/families/__init__.py") from None
+        needs = f"common/families/{name}.py needs common/families/{missing}.py" if missing != name else \
+            f"this copy of the recipes has no common/families/{name}.py"
+        raise UserError(f"{needs}, the module of {pipelines} bases: copy it beside common/families/__init__.py") \
+            from None
 
 
 def load_family(path, flag, revision=None, cache_dir=None, uses="train_lora.py trains"):
@@ -105,10 +109,19 @@ def family_name(name):
         return name
 
 
-def lora_family(metadata, keys):
+def matched_prefix(key, prefixes):
+    """The first of `prefixes` a tensor name starts with (a `*` in a prefix stands for any block number), or None."""
+    import fnmatch
+
+    return next((prefix for prefix in prefixes
+                 if (fnmatch.fnmatchcase(key, prefix + "*") if "*" in prefix else key.startswith(prefix))), None)
+
+
+def lora_family(metadata, keys, prefer=None):
     """-> (family name, why) of the base a LoRA file was made for, or (None, None) when the file does not tell: from
     its metadata (each family's LORA_METADATA: kohya's ss_base_model_version, ModelSpec's modelspec.architecture)
-    when present, else from tensor names only one family has (each family's LORA_KEY_PREFIXES)."""
+    when present, else from tensor names only one family has (each family's LORA_KEY_PREFIXES; a prefix that several
+    families declare, as FLUX.2 dev and klein do, names the family `prefer` when it is one of them)."""
     families = known_families()
     for key in ("ss_base_model_version", "modelspec.architecture"):
         value = metadata.get(key, "")
@@ -116,10 +129,12 @@ def lora_family(metadata, keys):
             if value and value.startswith(family.LORA_METADATA.get(key, ())):
                 return family.KEY, f"its metadata says {key} {value}"
     for family in families:
-        key = next((k for k in keys if k.startswith(family.LORA_KEY_PREFIXES)), None) if family.LORA_KEY_PREFIXES \
-            else None
-        if key:
-            return family.KEY, f"its key {key} is {family.NAME}'s"
+        for key in keys:
+            prefix = matched_prefix(key, family.LORA_KEY_PREFIXES)
+            if prefix is None:
+                continue
+            shared = next((f for f in families if f.KEY == prefer and prefix in f.LORA_KEY_PREFIXES), family)
+            return shared.KEY, f"its key {key} is {shared.NAME}'s"
     return None, None
 
 
@@ -136,7 +151,7 @@ def denoiser_kind(keys):
 def check_lora_base(flag, path, metadata, keys, base, base_family):
     """A LoRA file that says it was made for another family than `base_family` (None: unknown) is one line, before
     anything loads."""
-    family, why = lora_family(metadata, keys)
+    family, why = lora_family(metadata, keys, prefer=base_family)
     if family is None and base_family is not None:  # no family named: a UNet LoRA on a transformer base, or back
         kind, base_kind = denoiser_kind(keys), family_module(base_family).DENOISER
         if kind and kind != base_kind:
