@@ -12,7 +12,7 @@ embeddings computed once, then the text encoders leave the accelerator; caption 
 preservation (common/dreambooth.py: class images the base draws once), a loss mask per image (--masked_loss,
 common/loss_masks.py), and LyCORIS's LoHa and LoKr instead of LoRA (--adapter, through peft). Writes
 pytorch_lora_weights.safetensors (`pipe.load_lora_weights(output_dir)`; LoHa/LoKr: peft_adapter_weights.safetensors,
-which sample.py loads through peft), beside it pytorch_lora_weights_kohya.safetensors for ComfyUI, Forge and A1111, a
+which sample.py loads through peft), beside it pytorch_lora_weights_ui.safetensors for ComfyUI, Forge and A1111, a
 model card, and lora_info.json, from which sample.py finds the base model.
 
 Defaults suit a real base: --resolution is the base's native size (its VAE's sample_size, 512 for SD 1.5),
@@ -47,7 +47,7 @@ DreamBooth with prior preservation (diffusers' flags; the base draws the missing
 Then:  python sample.py --model outputs/lora-naruto --prompt "a girl with pink hair"
 
 A copy also needs the module of its base's family: common/families/sd.py, sdxl.py, sd3.py or flux.py.
-Copy with: common/__init__.py, common/args.py, common/base_models.py, common/buckets.py, common/caption_files.py, common/checkpoints.py, common/cli.py, common/diffusion.py, common/distributed.py, common/drawing.py, common/dreambooth.py, common/families/__init__.py, common/fsdp.py, common/image_data.py, common/lora_adapters.py, common/lora_files.py, common/lora_metadata.py, common/loss_masks.py, common/objectives.py, common/optimizers.py, common/preemption.py, common/prompts.py, common/reporting.py, common/sgm_names.py, common/training.py, common/ui_lora.py, common/vae.py, common/validation_images.py, common/validation_loss.py
+Copy with: common/__init__.py, common/args.py, common/base_models.py, common/buckets.py, common/caption_files.py, common/checkpoints.py, common/cli.py, common/diffusion.py, common/distributed.py, common/drawing.py, common/dreambooth.py, common/families/__init__.py, common/fsdp.py, common/image_data.py, common/lora_adapters.py, common/lora_files.py, common/lora_metadata.py, common/loss_masks.py, common/objectives.py, common/optimizers.py, common/preemption.py, common/prompts.py, common/reporting.py, common/sampling_defaults.py, common/sgm_names.py, common/training.py, common/ui_lora.py, common/vae.py, common/validation_images.py, common/validation_loss.py
 """  # noqa: E501 (the copy list stays one line, for grep)
 import math
 import os
@@ -438,7 +438,7 @@ def main(args):
                         base_pred = base_prediction(unwrapped[family.DENOISER], lambda: family.denoise(
                             denoiser, noised.noisy, noised.timesteps, cond, guidance))
                         losses = losses + args.masked_prior_preservation_weight * masked_prior_losses(
-                            model_pred, base_pred, mask, noised.weights)
+                            objective, model_pred, base_pred, noised, mask)
                     loss = prior(losses, batch["index"], accelerator) if prior else losses.mean()  # DreamBooth: 2 parts
                     # </domain>
                     accelerator.backward(loss)

@@ -61,7 +61,8 @@ def drawn_by(args):
     """What a drawn class image depends on (class_images.json): another value means other images."""
     base = args.pretrained_model_name_or_path
     return {"class_prompt": args.class_prompt, "base_model": os.path.abspath(base) if os.path.isdir(base) else base,
-            "revision": args.revision, "resolution": args.resolution, "seed": args.seed}
+            "revision": args.revision, "resolution": args.resolution, "seed": args.seed,
+            **({"drop_t5": True} if args.drop_t5 else {})}  # (T5's zeros draw other images)
 
 
 def check_dreambooth_args(args):
@@ -165,13 +166,17 @@ def draw_class_images(args, accelerator, family, dtype, names):
     from .cli import quiet_loading_bars
     from .diffusion import sampling_scheduler
     from .drawing import draw_images, load_pipeline
+    from .sampling_defaults import sampling_defaults
 
     quiet_loading_bars()
-    pipe = load_pipeline(family, args.pretrained_model_name_or_path, "--pretrained_model_name_or_path", dtype,
-                         revision=args.revision, variant=args.variant, cache_dir=args.cache_dir)
+    base = args.pretrained_model_name_or_path
+    pipe = load_pipeline(family, base, "--pretrained_model_name_or_path", dtype, revision=args.revision,
+                         variant=args.variant, cache_dir=args.cache_dir,
+                         drop=family.OPTIONAL_COMPONENTS if args.drop_t5 else ())  # (the run's T5, or none)
     pipe.scheduler = sampling_scheduler(family.SAMPLER, pipe.scheduler.config, family.SAMPLERS)
     pipe.set_progress_bar_config(disable=True)
     pipe.to(accelerator.device)
+    defaults = sampling_defaults(family, base, getattr(pipe, family.DENOISER).config)  # sample.py's: steps, guidance
     kwargs = {}
     if "max_sequence_length" in family.SAMPLE_FLAGS:
         kwargs["max_sequence_length"] = family.text_length(pipe.components, args.max_sequence_length)
@@ -179,7 +184,8 @@ def draw_class_images(args, accelerator, family, dtype, names):
     mine = []
     for batch in batches[accelerator.process_index::accelerator.num_processes]:
         images = draw_images(pipe, family, [args.class_prompt] * len(batch), [args.seed + n for n, _ in batch],
-                             args.resolution, args.resolution, family.SAMPLE_STEPS, family.SAMPLE_GUIDANCE, **kwargs)
+                             args.resolution, args.resolution, defaults["num_inference_steps"],
+                             defaults["guidance_scale"], **kwargs)
         for (_, name), image in zip(batch, images):
             data = io.BytesIO()
             image.save(data, format="PNG")

@@ -27,7 +27,7 @@ TINY = ["--max_train_samples", "64", "--train_batch_size", "8", "--max_train_ste
         "5e-3", "--random_flip", "--caption_dropout_prob", "0.2", "--logging_steps", "1", "--validation_prompt",
         "a handwritten digit seven", "--validation_steps", "6", "--num_validation_images", "1",
         "--validation_inference_steps", "2", "--caption_prefix", "sks style, "]
-KOHYA = "pytorch_lora_weights_kohya.safetensors"
+KOHYA = "pytorch_lora_weights_ui.safetensors"
 
 
 @pytest.fixture(scope="module")

@@ -92,7 +92,7 @@ def test_the_lora_loads_back_exactly(trained):
     info = json.loads((out / "lora_info.json").read_text())
     assert info["target_modules"] == family_module(name).LORA_TARGETS.split(",")
     # the UI file: the same weights under the names ComfyUI reads for this family, each module with its alpha
-    ui = load_file(out / "pytorch_lora_weights_kohya.safetensors")
+    ui = load_file(out / "pytorch_lora_weights_ui.safetensors")
     adapter = load_file(out / "checkpoint-6" / "transformer" / "adapter_model.safetensors")
     assert adapter and all(torch.equal(ui[f"transformer.{key}"], value) for key, value in adapter.items())
     alphas = {key: value for key, value in ui.items() if key.endswith(".alpha")}

@@ -21,7 +21,7 @@ TINY = ["--max_train_samples", "32", "--train_batch_size", "8", "--max_train_ste
         "--logging_steps", "1", "--target_modules", ",".join(UNET_TARGETS), "--validation_prompt",
         "a handwritten digit seven", "--validation_steps", "4", "--num_validation_images", "1",
         "--validation_inference_steps", "2", "--caption_prefix", "sks, "]
-KOHYA = "pytorch_lora_weights_kohya.safetensors"
+KOHYA = "pytorch_lora_weights_ui.safetensors"
 
 
 @pytest.fixture(scope="module")

@@ -28,7 +28,7 @@ RUNS = {  # name: (base, flags); LoKr on SD at the default factor: both factors 
     "lokr-flux": (FLUX, ["--adapter", "lokr", "--lokr_factor", "4"]),
     "lokr-sd": (SD, ["--adapter", "lokr"]),
 }
-UI_FILE, PEFT_FILE = "pytorch_lora_weights_kohya.safetensors", "peft_adapter_weights.safetensors"
+UI_FILE, PEFT_FILE = "pytorch_lora_weights_ui.safetensors", "peft_adapter_weights.safetensors"
 
 
 def train(name, digits, out, *extra, check=True):

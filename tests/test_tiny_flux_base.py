@@ -92,7 +92,7 @@ def test_a_short_lora_changes_the_samples_and_loads_back(style_lora):
         return (out * 255).round().astype(int)
 
     assert np.abs(images(pipeline(BASE)) - trained).max() > 40  # the LoRA changed the samples
-    for weights in ("pytorch_lora_weights.safetensors", "pytorch_lora_weights_kohya.safetensors"):
+    for weights in ("pytorch_lora_weights.safetensors", "pytorch_lora_weights_ui.safetensors"):
         pipe = pipeline(BASE)
         pipe.load_lora_weights(style_lora, weight_name=weights)
         assert np.abs(images(pipe) - trained).max() <= 2, weights
