@@ -158,6 +158,15 @@ def test_lora_files_carry_training_metadata(trained, tiny_sd, digits):
     assert (at_6["ss_steps"], at_6["steps"], at_6["ss_max_train_steps"]) == ("6", "6", "12")
 
 
+def test_the_card_code_draws_what_sample_py_draws(trained, tmp_path, monkeypatch):
+    """The LoRA's README.md, run as printed: sample.py's sampler (DPM-Solver++ with the base's schedule), steps and
+    guidance at the run's size, the LoRA on the UNet and the text encoder."""
+    from test_snippets import card_draws_what_sample_py_draws
+
+    code = card_draws_what_sample_py_draws(trained, tmp_path, monkeypatch)
+    assert "DPMSolverMultistepScheduler.from_config" in code and "num_inference_steps=30, guidance_scale=7.5" in code
+
+
 @pytest.mark.parametrize("use_dora", [False, True])
 @pytest.mark.parametrize("unet_targets", [TARGETS, [*TARGETS, "proj_in", "conv1", "conv_in"]],
                          ids=["attention", "attention+conv"])

@@ -115,6 +115,12 @@ def test_validation_images_are_what_sample_py_draws(trained, tmp_path):
     assert np.abs(validation - sampled).max() <= 1
 
 
+def test_the_card_code_draws_what_sample_py_draws(trained, tmp_path, monkeypatch):
+    from test_snippets import card_draws_what_sample_py_draws
+
+    assert "StableDiffusionXLPipeline" in card_draws_what_sample_py_draws(trained, tmp_path, monkeypatch)
+
+
 def test_a_resumed_sdxl_run_matches_the_uninterrupted_one(trained, digits, tiny_sdxl, tmp_path):
     out = tmp_path / "resumed"
     out.mkdir()

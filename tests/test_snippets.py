@@ -91,7 +91,7 @@ def card_draws_what_sample_py_draws(model, tmp_path, monkeypatch, substitutions=
     with one_thread():
         run_code(code, tmp_path, monkeypatch, substitutions)
         prompt, seed = called_prompt_and_seed(code)
-        drawn = sample_py(model, prompt, seed, tmp_path / "sample.py")
+        drawn = sample_py(model, prompt, seed, tmp_path / "sample_py")
     card = pixels(tmp_path / "sample.png")
     assert card.shape == drawn.shape and np.abs(card - drawn).max() <= 1, np.abs(card - drawn).max()
     return code
