@@ -117,7 +117,7 @@ def parse_args(argv=None):
     g.add_argument("--train_text_encoder", action="store_true",
                    help="Also LoRA on the CLIP text encoders' attention projections (SDXL and SD3: both CLIPs; "
                         "Flux.1: its CLIP; never T5).")
-    g.add_argument("--text_encoder_lr", type=positive_float, default=None, help="Default: --learning_rate.")
+    g.add_argument("--text_encoder_lr", type=positive_float, default=None, help="Default: --learning_rate (why: docs).")
     g = parser.add_argument_group("EMA of the LoRA weights")
     add_ema_args(g)
     g.add_argument("--offload_ema", action="store_true",
