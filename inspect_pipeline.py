@@ -60,8 +60,8 @@ def parse_args(argv=None):
     g.add_argument("--prompt", default="a handwritten digit seven")
     g.add_argument("--num_inference_steps", type=positive_int, default=10)
     g.add_argument("--guidance_scale", type=float, default=None,
-                   help=f"Default: 7.5 for Stable Diffusion and SDXL (SD's own default), {DEFAULT_GUIDANCE_SCALE} for "
-                        "a class-conditional DDPM (sample.py's defaults).")
+                   help=f"Default: sample.py's (the base's model card's, else 7.5 for Stable Diffusion and SDXL, 7.0 "
+                        f"for SD3, 3.5 for Flux.1-dev), {DEFAULT_GUIDANCE_SCALE} for a class-conditional DDPM.")
     g.add_argument("--num_images", type=positive_int, default=1, help="Batch size B (num_images_per_prompt).")
     g.add_argument("--class_label", default=None, help="Class-conditional DDPM: class name or id (default: id 0).")
     g.add_argument("--seed", type=non_negative_int, default=0)
