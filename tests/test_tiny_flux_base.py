@@ -128,7 +128,8 @@ def test_rebuild_with_tiny_step_counts_and_damage_is_refused(digits, tmp_path):
                              "--output_dir", shipped, "--per_digit", "1", "--min_accuracy", "0", "--commands",
                              "one ;; two"], cwd=ROOT, env=env, capture_output=True, text=True)
     assert finish.returncode == 0, finish.stderr[-3000:]
-    assert "one\ntwo" in (shipped / "README.md").read_text()
+    card = (shipped / "README.md").read_text()  # the commands, and the call sample.py reads its defaults from
+    assert "one\ntwo" in card and 'true_cfg_scale=3.5, negative_prompt=""' in " ".join(card.split())
     pipeline(shipped)  # loads
     out = tmp_path / "lora"
     args = ["--pretrained_model_name_or_path", shipped, "--train_data_dir", digits, "--output_dir", out]
