@@ -22,7 +22,7 @@ A hub model (needs the network; on a GPU the trace takes seconds):
     python inspect_pipeline.py stable-diffusion-v1-5/stable-diffusion-v1-5 --trace --height 512 --width 512 \\
         --device cuda --dtype fp16 --prompt "an astronaut riding a horse" --save_trajectory x0.png
 
-Copy with: common/__init__.py, common/args.py, common/base_models.py, common/cli.py, common/deepspeed_engine.py, common/diffusion.py, common/families/__init__.py, common/lora_files.py, common/objectives.py, common/pipeline_report.py, common/pipeline_trace.py, common/pipelines.py, common/prompts.py, common/sgm_names.py, common/ui_lora.py, common/vae.py
+Copy with: common/__init__.py, common/args.py, common/base_models.py, common/cli.py, common/deepspeed_engine.py, common/diffusion.py, common/families/__init__.py, common/lora_files.py, common/objectives.py, common/pipeline_report.py, common/pipeline_trace.py, common/pipelines.py, common/prompts.py, common/sampling_defaults.py, common/sgm_names.py, common/ui_lora.py, common/vae.py
 """  # noqa: E501 (the copy list stays one line, for grep)
 import json
 import os
@@ -60,8 +60,8 @@ def parse_args(argv=None):
     g.add_argument("--prompt", default="a handwritten digit seven")
     g.add_argument("--num_inference_steps", type=positive_int, default=10)
     g.add_argument("--guidance_scale", type=float, default=None,
-                   help=f"Default: 7.5 for Stable Diffusion and SDXL (SD's own default), {DEFAULT_GUIDANCE_SCALE} for "
-                        "a class-conditional DDPM (sample.py's defaults).")
+                   help=f"Default: sample.py's (the base's model card's, else 7.5 for Stable Diffusion and SDXL, 7.0 "
+                        f"for SD3, 3.5 for Flux.1-dev), {DEFAULT_GUIDANCE_SCALE} for a class-conditional DDPM.")
     g.add_argument("--num_images", type=positive_int, default=1, help="Batch size B (num_images_per_prompt).")
     g.add_argument("--class_label", default=None, help="Class-conditional DDPM: class name or id (default: id 0).")
     g.add_argument("--seed", type=non_negative_int, default=0)

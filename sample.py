@@ -19,7 +19,7 @@ of common/families/ (SD 1.x/2.x, SDXL, SD3, Flux.1, Qwen-Image, Z-Image), each t
 
 A copy also needs the module of its base's family, one of common/families/*.py (sd.py for Stable Diffusion 1.x/2.x;
 FLUX.2 dev: flux2.py with flux2_klein.py).
-Copy with: common/__init__.py, common/args.py, common/base_models.py, common/cli.py, common/deepspeed_engine.py, common/diffusion.py, common/drawing.py, common/families/__init__.py, common/lora_files.py, common/objectives.py, common/pipelines.py, common/prompts.py, common/sgm_names.py, common/ui_lora.py, common/vae.py
+Copy with: common/__init__.py, common/args.py, common/base_models.py, common/cli.py, common/deepspeed_engine.py, common/diffusion.py, common/drawing.py, common/families/__init__.py, common/lora_files.py, common/objectives.py, common/pipelines.py, common/prompts.py, common/sampling_defaults.py, common/sgm_names.py, common/ui_lora.py, common/vae.py
 """  # noqa: E501 (the copy list stays one line, for grep)
 import json
 import os
@@ -54,10 +54,15 @@ def parse_args(argv=None):
                              "Diffusion 1.x/2.x and XL, euler (the flow-matching Euler of their pipelines) for SD3 and "
                              "Flux.1; built with the noise schedule and prediction type (or shift) the model was "
                              "trained with.")
-    parser.add_argument("--num_inference_steps", type=positive_int, default=None)
+    parser.add_argument("--num_inference_steps", type=positive_int, default=None,
+                        help="Default: the base's model card's (the call in its README.md), else the family's: 30 for "
+                             "SD 1.x/2.x and SDXL, 28 for SD3 and Flux.1; 50 for train_ddpm.py outputs.")
     parser.add_argument("--guidance_scale", type=non_negative_float, default=None,
-                        help="Default: the family's pipeline's (Z-Image: its own scale, pos + w (pos - neg), 0 for "
-                             "none, as Z-Image-Turbo draws).")
+                        help="Default: the base's model card's, else the family's: 7.5 for SD 1.x/2.x and SDXL, 7.0 "
+                             "for SD3, 3.5 for Flux.1-dev (its guidance input); a Flux.1 base without a guidance "
+                             "embedding gets true classifier-free guidance (against the empty prompt) only when its "
+                             "card or this flag asks for it; Z-Image: its own scale, 0 for none. train_ddpm.py "
+                             "outputs: 1.5.")
     add_device_args(parser)
     # DDPM outputs (train_ddpm.py)
     parser.add_argument("--class_label", action="append", default=None,
@@ -91,9 +96,10 @@ def parse_args(argv=None):
                              "guidance throughout).")
     parser.add_argument("--drop_t5", action="store_true",
                         help="SD3: draw without its T5 text encoder (zeros in its place); a folder without "
-                             "text_encoder_3/ needs it.")
-    parser.add_argument("--height", type=positive_int, default=None)
-    parser.add_argument("--width", type=positive_int, default=None)
+                             "text_encoder_3/ needs it; the default for a LoRA trained with --drop_t5.")
+    parser.add_argument("--height", type=positive_int, default=None,
+                        help="Default: a LoRA's training size, else the base card's, else the base's own size.")
+    parser.add_argument("--width", type=positive_int, default=None, help="As --height.")
     return parser.parse_args(argv)
 
 
@@ -206,7 +212,7 @@ def sample_pipeline(args):
     """A text-to-image pipeline of a known family (hub id or folder) with --lora PATH[:SCALE]..., or a train_lora.py
     output or checkpoint-N (its base is read from its lora_info.json). Image j of every prompt starts from seed + j."""
     from common.base_models import check_pipeline_folder
-    from common.families import check_lora_base, family_module, family_of, sampling_defaults
+    from common.families import check_lora_base, family_module, family_of
     from common.lora_files import (
         LORA_WEIGHTS,
         PEFT_WEIGHTS,
@@ -230,6 +236,7 @@ def sample_pipeline(args):
     base = info["base_model"] if info else args.model
     if info:
         loras.insert(0, (args.model, 1.0))
+        args.drop_t5 = args.drop_t5 or bool(info.get("drop_t5"))  # a LoRA trained without T5 is drawn without it
     base_flag = f"base model of {args.model} (lora_info.json)" if info else "--model"
     check_pipeline_folder(base, base_flag)
     base_version = {"revision": info.get("revision"), "variant": info.get("variant")} if info else {}
@@ -264,6 +271,7 @@ def sample_pipeline(args):
 
     from common.diffusion import sampling_scheduler
     from common.drawing import load_pipeline
+    from common.sampling_defaults import sampling_defaults
 
     if family is None:  # a hub base: its model_index.json alone, before the weights
         family = family_module(family_of(base, base_flag, revision=base_version.get("revision"), uses=uses))
@@ -303,12 +311,13 @@ def sample_pipeline(args):
     pipe.to(device)
     pipe.set_progress_bar_config(disable=True)
 
-    defaults = sampling_defaults(family, base, base_version.get("revision"))  # the base's card's, else the family's
+    # the defaults: the LoRA's training size and T5 length (lora_info.json), the base's card, the family's
+    defaults = sampling_defaults(family, base, getattr(pipe, family.DENOISER).config, info)
     steps = args.num_inference_steps or defaults["num_inference_steps"]
     guidance = args.guidance_scale if args.guidance_scale is not None else defaults["guidance_scale"]
     if "max_sequence_length" in family.SAMPLE_FLAGS:  # T5's length: as the LoRA trained, else the base's
         args.max_sequence_length = family.text_length(pipe.components, args.max_sequence_length
-                                                      or (info or {}).get("max_sequence_length"))
+                                                      or defaults["max_sequence_length"])
     extra = {flag: getattr(args, flag) for flag in family.SAMPLE_FLAGS if flag != "drop_t5"}
     common = {"model": args.model, "base_model": base, "lora": ",".join(f"{p}:{s:g}" for p, s in loras),
               "scheduler": args.scheduler or family.SAMPLER, "num_inference_steps": steps,
@@ -318,7 +327,8 @@ def sample_pipeline(args):
         if names:
             pipe.set_adapters(names, adapter_weights=[lora_scale * scale for _, scale in loras])
         scale = {"lora_scale": lora_scale} if names else {}
-        images, params = draw(pipe, family, args, images, params, {**common, **scale}, steps, guidance, extra)
+        images, params = draw(pipe, family, args, images, params, {**common, **scale}, steps, guidance, extra,
+                              (defaults["height"], defaults["width"]))
     return save_images(images, params, output_dir(args), args.num_images)
 
 
@@ -337,14 +347,15 @@ def check_sample_flags(args, family, base, flag):
         check_components(base, flag, family, args.drop_t5, to="draw")
 
 
-def draw(pipe, family, args, images, params, common, steps, guidance, extra):
-    """Every prompt x --num_images seeds, in batches; appends to images and params."""
+def draw(pipe, family, args, images, params, common, steps, guidance, extra, size):
+    """Every prompt x --num_images seeds, in batches; appends to images and params. size: the default (height,
+    width), None for the family's sample size."""
     from common.drawing import draw_images
 
     configs = {"vae": pipe.vae.config, family.DENOISER: getattr(pipe, family.DENOISER).config}
     factor = family.resolution_factor(configs)  # the pipeline would refuse, or change, another size
     default_height, default_width = family.sample_size(pipe)
-    height, width = args.height or default_height, args.width or default_width
+    height, width = args.height or size[0] or default_height, args.width or size[1] or default_width
     for flag, value in (("--height", height), ("--width", width)):
         if value % factor:
             near = sorted({max(factor, value // factor * factor), (value // factor + 1) * factor})

@@ -13,7 +13,7 @@ embeddings computed once, then the text encoders leave the accelerator; caption 
 preservation (common/dreambooth.py: class images the base draws once), a loss mask per image (--masked_loss,
 common/loss_masks.py), and LyCORIS's LoHa and LoKr instead of LoRA (--adapter, through peft). Writes
 pytorch_lora_weights.safetensors (`pipe.load_lora_weights(output_dir)`; LoHa/LoKr: peft_adapter_weights.safetensors,
-which sample.py loads through peft), beside it pytorch_lora_weights_kohya.safetensors for ComfyUI, Forge and A1111, a
+which sample.py loads through peft), beside it pytorch_lora_weights_ui.safetensors for ComfyUI, Forge and A1111, a
 model card, and lora_info.json, from which sample.py finds the base model.
 
 Defaults suit a real base: --resolution is the base's native size (its VAE's sample_size, 512 for SD 1.5),
@@ -49,7 +49,7 @@ Then:  python sample.py --model outputs/lora-naruto --prompt "a girl with pink h
 
 A copy also needs the module of its base's family, one of common/families/*.py (sd.py for Stable Diffusion 1.x/2.x;
 FLUX.2 dev: flux2.py with flux2_klein.py).
-Copy with: common/__init__.py, common/args.py, common/base_models.py, common/block_swap.py, common/buckets.py, common/caption_files.py, common/checkpoints.py, common/cli.py, common/deepspeed_engine.py, common/diffusion.py, common/distributed.py, common/drawing.py, common/dreambooth.py, common/families/__init__.py, common/float8_base.py, common/fsdp.py, common/image_data.py, common/lora_adapters.py, common/lora_files.py, common/lora_metadata.py, common/loss_masks.py, common/objectives.py, common/optimizers.py, common/preemption.py, common/prompts.py, common/reporting.py, common/sgm_names.py, common/training.py, common/ui_lora.py, common/vae.py, common/validation_images.py, common/validation_loss.py
+Copy with: common/__init__.py, common/args.py, common/base_models.py, common/block_swap.py, common/buckets.py, common/caption_files.py, common/checkpoints.py, common/cli.py, common/deepspeed_engine.py, common/diffusion.py, common/distributed.py, common/drawing.py, common/dreambooth.py, common/families/__init__.py, common/float8_base.py, common/fsdp.py, common/image_data.py, common/lora_adapters.py, common/lora_files.py, common/lora_metadata.py, common/loss_masks.py, common/objectives.py, common/optimizers.py, common/preemption.py, common/prompts.py, common/reporting.py, common/sampling_defaults.py, common/sgm_names.py, common/training.py, common/ui_lora.py, common/vae.py, common/validation_images.py, common/validation_loss.py
 """  # noqa: E501 (the copy list stays one line, for grep)
 import math
 import os
@@ -120,7 +120,7 @@ def parse_args(argv=None):
     g.add_argument("--train_text_encoder", action="store_true",
                    help="Also LoRA on the CLIP text encoders' attention projections (SDXL and SD3: both CLIPs; "
                         "Flux.1: its CLIP; never T5, nor the LLMs of FLUX.2, Qwen-Image and Z-Image).")
-    g.add_argument("--text_encoder_lr", type=positive_float, default=None, help="Default: --learning_rate.")
+    g.add_argument("--text_encoder_lr", type=positive_float, default=None, help="Default: --learning_rate (why: docs).")
     g = parser.add_argument_group("EMA of the LoRA weights")
     add_ema_args(g)
     g.add_argument("--offload_ema", action="store_true",
@@ -446,7 +446,7 @@ def main(args):
                         base_pred = base_prediction(unwrapped[family.DENOISER], lambda: family.denoise(
                             denoiser, noised.noisy, noised.timesteps, cond, guidance))
                         losses = losses + args.masked_prior_preservation_weight * masked_prior_losses(
-                            model_pred, base_pred, mask, noised.weights)
+                            objective, model_pred, base_pred, noised, mask)
                     loss = prior(losses, batch["index"], accelerator) if prior else losses.mean()  # DreamBooth: 2 parts
                     # </domain>
                     accelerator.backward(loss)

@@ -26,7 +26,7 @@ Then:  python sample.py --model outputs/sd-naruto --prompt "a girl with pink hai
 
 A copy also needs the module of its base's family, one of common/families/*.py (sd.py for Stable Diffusion 1.x/2.x;
 FLUX.2 dev: flux2.py with flux2_klein.py).
-Copy with: common/__init__.py, common/args.py, common/base_models.py, common/buckets.py, common/caption_files.py, common/checkpoints.py, common/cli.py, common/deepspeed_engine.py, common/diffusion.py, common/distributed.py, common/families/__init__.py, common/fsdp.py, common/image_data.py, common/loss_masks.py, common/objectives.py, common/optimizers.py, common/preemption.py, common/prompts.py, common/reporting.py, common/sgm_names.py, common/single_file_checkpoint.py, common/text_encoder_keys.py, common/training.py, common/ui_lora.py, common/unet_config.py, common/vae.py, common/validation_images.py, common/validation_loss.py
+Copy with: common/__init__.py, common/args.py, common/base_models.py, common/buckets.py, common/caption_files.py, common/checkpoints.py, common/cli.py, common/deepspeed_engine.py, common/diffusion.py, common/distributed.py, common/families/__init__.py, common/fsdp.py, common/image_data.py, common/loss_masks.py, common/objectives.py, common/optimizers.py, common/preemption.py, common/prompts.py, common/reporting.py, common/sampling_defaults.py, common/sgm_names.py, common/single_file_checkpoint.py, common/text_encoder_keys.py, common/training.py, common/ui_lora.py, common/unet_config.py, common/vae.py, common/validation_images.py, common/validation_loss.py
 """  # noqa: E501 (the copy list stays one line, for grep)
 import math
 import os
@@ -89,8 +89,8 @@ def parse_args(argv=None):
     check_caption_args(args)
     check_common_args(args)
     check_optimizer_args(args)
+    args.denoiser_config = read_denoiser_config(args)  # (a fresh denoiser's guidance embedding: check_base_args)
     family = check_base_args(args, "train_text_to_image.py trains")  # None for a hub base: checked once fetched
-    args.denoiser_config = read_denoiser_config(args)
     if family:
         check_denoiser_flag(args, family)
     if args.denoiser_config and family:
@@ -163,7 +163,7 @@ def main(args):
     family = load_family(path, flag, args.revision, args.cache_dir, uses="train_text_to_image.py trains")
     check_family_args(args, family)  # (a hub base's: now that its family is known)
     check_denoiser_flag(args, family)
-    check_validation_image_args(args, family)
+    check_validation_image_args(args, family, unconditional=args.caption_dropout_prob > 0)
     if args.save_model_as == "safetensors":
         check_save_model_as(args, family)
     args.resolution, _ = base_resolution(path, args.resolution, family, args.revision, args.cache_dir)
@@ -405,6 +405,8 @@ def main(args):
         if accelerator.is_main_process:
             import diffusers
 
+            from common.sampling_defaults import model_snippet
+
             with ema_weights(ema, final[family.DENOISER]):
                 saved = {**{name: part.to(torch.float32) if name.startswith("text_encoder") and part is not None
                             else part for name, part in parts.items()}, **final}  # text encoders in fp32, as loaded
@@ -425,9 +427,10 @@ def main(args):
                  "EMA weights": ema is not None, "steps": global_step,
                  "final loss": f"{last_loss:.4f}" if last_loss is not None else "n/a",
                  "validation prompts": "; ".join(args.validation_prompt) or "none"},
-                f"from diffusers import {family.PIPELINE}\n"
-                f'pipe = {family.PIPELINE}.from_pretrained("{args.output_dir}")\n'
-                f'image = pipe("{(args.validation_prompt or [captions.prompts[-1]])[0]}").images[0]',
+                # what sample.py then draws: the training size and T5 length, the base's steps and guidance
+                model_snippet(family, args.output_dir, (args.validation_prompt or [captions.prompts[-1]])[0],
+                              {"resolution": args.resolution, "max_sequence_length": args.max_sequence_length},
+                              base=base, unconditional=args.caption_dropout_prob > 0, cache_dir=args.cache_dir),
                 images=[os.path.relpath(p, args.output_dir) for p in images])
         metrics = {"trainable_parameters": num_trainable, "mixed_precision": accelerator.mixed_precision,
                    "resolution": args.resolution}

@@ -231,7 +231,8 @@ def add_base_model_args(group, default):
                             "(512, as diffusers' script; at most 1024).")
     group.add_argument("--guidance_scale", type=positive_float, default=None,
                        help="Flux.1-dev, FLUX.2 dev and other guidance-distilled bases: the guidance the denoiser is "
-                            "given while training (default 3.5, as diffusers' Flux and FLUX.2 scripts).")
+                            "given while training (default 3.5, as diffusers' Flux and FLUX.2 scripts); a base "
+                            "without a guidance embedding has no such input.")
     group.add_argument("--drop_t5", action="store_true",
                        help="SD3: without its T5 text encoder (zeros in its place, as StableDiffusion3Pipeline does "
                             "with text_encoder_3=None): less memory; a folder without text_encoder_3/ needs it.")
@@ -250,8 +251,16 @@ def check_family_args(args, family):
                                 ("drop_t5", family.OPTIONAL_COMPONENTS, "SD3 without T5")):
         if getattr(args, flag, None) and applies is None:
             raise UserError(f"--{flag} ({what}) means nothing for a {family.NAME} base: leave it out")
-    if getattr(args, "guidance_scale", None) is None and family.TRAINING_GUIDANCE:
-        args.guidance_scale = family.TRAINING_GUIDANCE
+    if family.TRAINING_GUIDANCE:  # only a guidance-distilled denoiser (config guidance_embeds) has the input
+        path = args.pretrained_model_name_or_path
+        config = getattr(args, "denoiser_config", None) or component_configs(
+            path, (family.DENOISER,), args.revision, args.cache_dir).get(family.DENOISER, {})
+        if config.get("guidance_embeds"):
+            args.guidance_scale = args.guidance_scale or family.TRAINING_GUIDANCE
+        elif args.guidance_scale is not None:
+            raise UserError(f"--guidance_scale {args.guidance_scale:g}: the {family.DENOISER} of '{path}' has no "
+                            "guidance embedding (it is not guidance-distilled, as Flux.1-dev is), so there is no "
+                            "guidance input to train with: leave it out")
 
 
 def check_base_args(args, uses):

@@ -53,13 +53,37 @@ def writes_checkpoints(accelerator):
     return accelerator.is_main_process
 
 
+class StateFilesAtDebug(logging.Filter):
+    """accelerate's INFO line for every file of a state it saves or loads (optimizer, scheduler, sampler, random
+    states, ...) made a DEBUG line, shown only where DEBUG is on for its logger: save_checkpoint says one line per
+    checkpoint instead, the scripts one per resume."""
+    MESSAGES = ("Saving current state to", " saved in ", "Saving the state of", "Loading states from",
+                "loaded successfully", "Loading the state of", "custom states")
+
+    def filter(self, record):
+        if record.levelno == logging.INFO and any(message in record.getMessage() for message in self.MESSAGES):
+            record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+            return logging.getLogger(record.name).isEnabledFor(logging.DEBUG)
+        return True
+
+
+def quiet_state_files():
+    """StateFilesAtDebug on accelerate's loggers of save_state and load_state (once)."""
+    for name in ("accelerate.accelerator", "accelerate.checkpointing"):
+        log = logging.getLogger(name)
+        if not any(isinstance(f, StateFilesAtDebug) for f in log.filters):
+            log.addFilter(StateFilesAtDebug())
+
+
 def save_checkpoint(accelerator, output_dir, global_step, total_limit=None, info=None):
     """Every process calls this (DeepSpeed/FSDP need all of them in save_state).
 
     The state is written under `checkpoint-N.tmp` and renamed when complete, so an interrupted save is never
     picked by `latest`; old checkpoints are removed only after the new one is complete. Each folder that holds a
-    copy (one shared folder, or each machine's own) is written, renamed and rotated by one process.
+    copy (one shared folder, or each machine's own) is written, renamed and rotated by one process, which logs one
+    line for it (accelerate's line per file: at DEBUG).
     """
+    quiet_state_files()
     final = os.path.join(output_dir, f"checkpoint-{global_step}")
     tmp = final + ".tmp"
     writer = writes_checkpoints(accelerator)
@@ -86,6 +110,7 @@ def save_checkpoint(accelerator, output_dir, global_step, total_limit=None, info
         if total_limit is not None:
             for old in list_checkpoints(output_dir)[:-total_limit]:
                 shutil.rmtree(old, ignore_errors=True)
+        logger.info(f"saved {final}")
     accelerator.wait_for_everyone()
     return final
 
@@ -114,6 +139,7 @@ def load_checkpoint(accelerator, path):
 
     from .fsdp import init_optimizer_states
 
+    quiet_state_files()
     try:
         init_optimizer_states(accelerator)  # (under FSDP only)
         accelerator.load_state(path)

@@ -38,9 +38,13 @@ def sampling_scheduler(name, training_config, classes=None):
     import diffusers
 
     cls = getattr(diffusers, (classes or SCHEDULER_CLASSES)[name])
+    return cls.from_config(training_config, **sampler_settings(cls, training_config))
+
+
+def sampler_settings(cls, training_config):
+    """The TRAINING_SETTINGS of `training_config` that the sampler class `cls` takes."""
     accepted = inspect.signature(cls.__init__).parameters
-    explicit = {key: training_config[key] for key in TRAINING_SETTINGS if key in training_config and key in accepted}
-    return cls.from_config(training_config, **explicit)
+    return {key: training_config[key] for key in TRAINING_SETTINGS if key in training_config and key in accepted}
 
 
 def diffusion_target(scheduler, clean, noise, timesteps):

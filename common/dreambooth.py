@@ -61,7 +61,8 @@ def drawn_by(args):
     """What a drawn class image depends on (class_images.json): another value means other images."""
     base = args.pretrained_model_name_or_path
     return {"class_prompt": args.class_prompt, "base_model": os.path.abspath(base) if os.path.isdir(base) else base,
-            "revision": args.revision, "resolution": args.resolution, "seed": args.seed}
+            "revision": args.revision, "resolution": args.resolution, "seed": args.seed,
+            **({"drop_t5": True} if args.drop_t5 else {})}  # (T5's zeros draw other images)
 
 
 def check_dreambooth_args(args):
@@ -165,15 +166,17 @@ def draw_class_images(args, accelerator, family, dtype, names):
     from .cli import quiet_loading_bars
     from .diffusion import sampling_scheduler
     from .drawing import draw_images, load_pipeline
-    from .families import sampling_defaults
+    from .sampling_defaults import sampling_defaults
 
     quiet_loading_bars()
-    pipe = load_pipeline(family, args.pretrained_model_name_or_path, "--pretrained_model_name_or_path", dtype,
-                         revision=args.revision, variant=args.variant, cache_dir=args.cache_dir)
+    base = args.pretrained_model_name_or_path
+    pipe = load_pipeline(family, base, "--pretrained_model_name_or_path", dtype, revision=args.revision,
+                         variant=args.variant, cache_dir=args.cache_dir,
+                         drop=family.OPTIONAL_COMPONENTS if args.drop_t5 else ())  # (the run's T5, or none)
     pipe.scheduler = sampling_scheduler(family.SAMPLER, pipe.scheduler.config, family.SAMPLERS)
     pipe.set_progress_bar_config(disable=True)
     pipe.to(accelerator.device)
-    defaults = sampling_defaults(family, args.pretrained_model_name_or_path, args.revision, args.cache_dir)
+    defaults = sampling_defaults(family, base, getattr(pipe, family.DENOISER).config)  # sample.py's: steps, guidance
     kwargs = {}
     if "max_sequence_length" in family.SAMPLE_FLAGS:
         kwargs["max_sequence_length"] = family.text_length(pipe.components, args.max_sequence_length)

@@ -11,7 +11,7 @@ from .families import family_module, lora_family
 LORA_INFO = "lora_info.json"
 LORA_WEIGHTS = "pytorch_lora_weights.safetensors"  # diffusers' name: pipe.load_lora_weights(folder) finds it
 ADAPTER_FILE = "adapter_model.safetensors"
-KOHYA_WEIGHTS = "pytorch_lora_weights_kohya.safetensors"  # the UIs' file (ComfyUI, Forge, A1111): kohya's names
+UI_WEIGHTS = "pytorch_lora_weights_ui.safetensors"  # the UIs' file (ComfyUI, Forge, A1111): the names they read
 # A LoHa's or LoKr's file for sample.py, which diffusers' load_lora_weights cannot read (it reads LoKr for Z-Image and
 # Flux.2 only): every component's peft adapter state under `<component>.` and, in its header, their peft configs.
 PEFT_WEIGHTS = "peft_adapter_weights.safetensors"
@@ -51,6 +51,8 @@ def lora_info(args):
             "target_modules": args.target_modules, "use_dora": args.use_dora,
             "train_text_encoder": args.train_text_encoder, "prediction_type": args.prediction_type,
             "max_sequence_length": args.max_sequence_length,  # T5's prompt length: sample.py's default too
+            "drop_t5": args.drop_t5,  # trained without T5 (SD3): sample.py draws without it too
+            "resolution": args.resolution,  # the training size: sample.py's default size
             "ema_weights": args.use_ema,  # the weights in pytorch_lora_weights.safetensors are the EMA ones
             "trigger": args.instance_prompt or args.caption_prefix.strip(" ,") or None}  # what prompts need to show it
 
@@ -167,7 +169,7 @@ def save_lora_weights(folder, family, lora_models, info, metadata=None):
     ui_header = {"format": "pt", **(metadata or {})}  # (no adapter configs: diffusers refuses them beside alphas)
     if "modelspec.implementation" in ui_header:  # whose module names the file uses, as kohya's files say
         ui_header["modelspec.implementation"] = family.UI_IMPLEMENTATION
-    save_file(ui_weights, os.path.join(folder, KOHYA_WEIGHTS), metadata=ui_header)
+    save_file(ui_weights, os.path.join(folder, UI_WEIGHTS), metadata=ui_header)
     write_lora_info(folder, info)
 
 
@@ -194,7 +196,7 @@ def save_lycoris_weights(folder, family, models, states, configs, info, metadata
     ui_header = {"format": "pt", **(metadata or {})}
     if "modelspec.implementation" in ui_header:
         ui_header["modelspec.implementation"] = family.UI_IMPLEMENTATION
-    save_file(ui_weights, os.path.join(folder, KOHYA_WEIGHTS), metadata=ui_header)
+    save_file(ui_weights, os.path.join(folder, UI_WEIGHTS), metadata=ui_header)
     write_lora_info(folder, info)
 
 

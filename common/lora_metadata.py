@@ -5,6 +5,8 @@ of the base comes from its family (common/families/: base_metadata)."""
 import json
 import os
 
+from .lora_files import UI_WEIGHTS
+
 
 def lora_metadata(args, info, base_version, step, max_train_steps, num_images, mixed_precision, text_encoder_targets,
                   optimizer):
@@ -52,10 +54,9 @@ def lora_card(args, info, family, steps, last_loss, ema, prompt):
     """The model card's (title, summary, facts, usage) for common/reporting.py's write_model_card: what was trained on
     what, and how to load it (family: the base's family module; ema: the exported weights are the EMA ones; prompt:
     the usage example's)."""
-    from .families import card_sampling
+    from .sampling_defaults import model_snippet
 
     base = args.pretrained_model_name_or_path
-    pipeline_class = family.PIPELINE
     summary = (f"Trained with train_lora.py on `{args.dataset_name or args.train_data_dir}` for {steps} optimizer "
                f"steps. Sample: `python sample.py --model {args.output_dir} --prompt \"...\"`.")
     facts = {"base model": f"`{base}`" + (" (tiny, random-init: a smoke test, not a picture model)"
@@ -68,7 +69,7 @@ def lora_card(args, info, family, steps, last_loss, ema, prompt):
              "trigger (caption prefix)": f"`{args.caption_prefix}`" if args.caption_prefix else "none",
              "final loss": f"{last_loss:.4f}" if last_loss is not None else "n/a",
              "validation prompts": "; ".join(args.validation_prompt) or "none",
-             "ComfyUI, Forge, A1111": "`pytorch_lora_weights_kohya.safetensors`, in their LoRA folder"
+             "ComfyUI, Forge, A1111": f"`{UI_WEIGHTS}`, in their LoRA folder"
                                       + ("; DoRA: ComfyUI and Forge apply it approximately, A1111 not at all"
                                          if args.use_dora else "")}
     adapter = getattr(args, "adapter", "lora")
@@ -77,11 +78,6 @@ def lora_card(args, info, family, steps, last_loss, ema, prompt):
         return f"{facts['adapter'].split()[0]} for {base}", summary, facts, (
             "# diffusers' load_lora_weights cannot read it; sample.py loads it through peft:\n"
             f'# python sample.py --model {args.output_dir} --prompt "{prompt}"')
-    # a distilled base's steps and guidance, as its model card draws (the pipeline's defaults would not)
-    drawing = "".join(f", {key}={value!r}" for key, value in card_sampling(
-        base, args.revision, getattr(args, "cache_dir", None)).items())
-    usage = (f"from diffusers import {pipeline_class}\n"
-             f'pipe = {pipeline_class}.from_pretrained("{info["base_model"]}")\n'
-             f'pipe.load_lora_weights("{args.output_dir}")\n'
-             f'image = pipe("{prompt}"{drawing}).images[0]')
+    # the settings sample.py draws this LoRA with: its size and T5 length, the base's steps and guidance
+    usage = model_snippet(family, info["base_model"], prompt, info, lora=args.output_dir, cache_dir=args.cache_dir)
     return f"LoRA for {base}", summary, facts, usage

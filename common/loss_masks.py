@@ -156,9 +156,11 @@ def base_prediction(model, predict):
         model.enable_adapters()
 
 
-def masked_prior_losses(prediction, base, mask, weights=None):
+def masked_prior_losses(objective, prediction, base, noised, mask):
     """--masked_prior_preservation_weight's term, per sample [B]: the squared distance to the base's prediction where
-    the mask leaves the image out (1 - mask), averaged over all elements as the masked loss is, times the
-    objective's per-sample weights."""
-    loss = ((prediction.float() - base.float()) ** 2 * (1 - mask)).mean(dim=tuple(range(1, prediction.ndim)))
-    return loss if weights is None else loss * weights.float()
+    the mask leaves the image out (1 - mask), averaged over all elements as the masked loss is, times the objective's
+    per-sample weights; both predictions as the objective compares them with its target (common/objectives.py:
+    under SD3's preconditioning, x0 estimates, so that the term weighs every noise level as the loss does)."""
+    distance = (objective.estimate(prediction, noised).float() - objective.estimate(base, noised).float()) ** 2
+    loss = (distance * (1 - mask)).mean(dim=tuple(range(1, prediction.ndim)))
+    return loss if noised.weights is None else loss * noised.weights.float()

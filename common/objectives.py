@@ -123,6 +123,10 @@ class DDPM:
                                       self.scheduler.config.prediction_type)
         return Noised(noisy, timesteps, target, weights, None)
 
+    def estimate(self, prediction, noised):
+        """What the loss compares with the target: the prediction itself."""
+        return prediction
+
     def losses(self, prediction, noised, mask=None):
         """Per-sample (weighted) mean squared error [B]; `mask` [B, 1, H, W] weights each element."""
         return weighted_mse(prediction, noised.target, noised.weights, mask)
@@ -178,12 +182,17 @@ class FlowMatching:
             weights = compute_loss_weighting_for_sd3(self.weighting_scheme, sigmas).flatten()
         return Noised(noisy, self.timesteps[indices].to(latents.device), target, weights, sigmas)
 
+    def estimate(self, prediction, noised):
+        """What the loss compares with the target: the output, or with precondition_outputs its estimate of x0,
+        x_t - sigma * output (in fp32)."""
+        if self.precondition_outputs:
+            return prediction.float() * -noised.sigmas + noised.noisy.float()
+        return prediction
+
     def losses(self, prediction, noised, mask=None):
         """Per-sample (weighted) mean squared error [B], on x0 estimates with precondition_outputs; `mask` [B, 1, H, W]
         weights each element."""
-        if self.precondition_outputs:
-            prediction = prediction.float() * -noised.sigmas + noised.noisy.float()
-        return weighted_mse(prediction, noised.target, noised.weights, mask)
+        return weighted_mse(self.estimate(prediction, noised), noised.target, noised.weights, mask)
 
     def describe(self):
         target = "x0 (preconditioned outputs)" if self.precondition_outputs else "noise - x0"

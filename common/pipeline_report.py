@@ -118,18 +118,19 @@ def image_size(pipe, args):
 
 
 def pipeline_guidance(pipe, scale, batch):
-    """A call's guidance arguments at `scale` (default: sample.py's, the base's model card's or the family's; else
-    Stable Diffusion's 7.5), as the family gives them (common/families/: guidance_kwargs)."""
-    from .families import sampling_defaults
+    """A call's guidance arguments at `scale` (default: sample.py's, from the base's card or its family; else Stable
+    Diffusion's 7.5), as the family gives them (common/families/: guidance_kwargs), and T5's length as sample.py
+    gives it."""
+    from .sampling_defaults import sampling_defaults
 
     family = pipeline_family(pipe)
     if family is None:
         return {"guidance_scale": 7.5 if scale is None else scale}
-    if scale is None:
-        scale = sampling_defaults(family, pipe.name_or_path or "")["guidance_scale"]
-    length = family.text_length(pipe.components)  # T5's prompt length, as sample.py gives it
-    return {**family.guidance_kwargs(getattr(pipe, family.DENOISER).config, scale, batch)[0],
-            **({"max_sequence_length": length} if length else {})}
+    config = getattr(pipe, family.DENOISER).config
+    defaults = sampling_defaults(family, getattr(pipe, "name_or_path", None) or "", config)
+    scale = defaults["guidance_scale"] if scale is None else scale
+    length = family.text_length(pipe.components, defaults["max_sequence_length"])
+    return {**family.guidance_kwargs(config, scale, batch)[0], **({"max_sequence_length": length} if length else {})}
 
 
 def unpack_latents(pipe, latents, height, width):

@@ -78,20 +78,25 @@ def add_validation_image_args(group, validation_steps):
                             "and Z-Image.")
     group.add_argument("--validation_inference_steps", type=positive_int, default=20)
     group.add_argument("--validation_guidance_scale", type=non_negative_float, default=None,
-                       help="Default: sample.py's: the base's model card's, else the family's: 7.5 for SD 1.x/2.x and "
-                            "SDXL, 7.0 for SD3, 3.5 for Flux.1 (its guidance embedding), 4.0 for Qwen-Image (true "
-                            "CFG), 5.0 for Z-Image (its pipeline's scale: 0 for none).")
+                       help="Default: sample.py's (the base's model card's, else the family's): 7.5 for SD 1.x/2.x "
+                            "and SDXL, 7.0 for SD3, 3.5 for Flux.1-dev (its guidance input); a Flux.1 base without a "
+                            "guidance embedding: true CFG 3.5 where the run trains the whole transformer with caption "
+                            "dropout, else none; 4.0 for Qwen-Image (true CFG), 5.0 for Z-Image (0: none).")
 
 
-def check_validation_image_args(args, family):
-    """The sampler must be one of the family's; the base's guidance by default (sample.py's: its model card's, else
-    the family's)."""
+def check_validation_image_args(args, family, unconditional=False):
+    """The sampler must be one of the family's; by default the guidance sample.py draws the result with
+    (common/sampling_defaults.py: the base's card, else the family's; `unconditional`: the run trains the empty
+    prompt into the whole denoiser, so a base guided by true CFG gets it)."""
+    from .base_models import component_configs
     from .cli import UserError
-    from .families import sampling_defaults
+    from .sampling_defaults import sampling_defaults
 
     if args.validation_scheduler and args.validation_scheduler not in family.SAMPLERS:
         raise UserError(f"--validation_scheduler {args.validation_scheduler}: {family.NAME} bases sample with "
                         f"{', '.join(sorted(family.SAMPLERS))}")
     if args.validation_guidance_scale is None:
-        args.validation_guidance_scale = sampling_defaults(family, args.pretrained_model_name_or_path, args.revision,
-                                                           args.cache_dir)["guidance_scale"]
+        base = args.pretrained_model_name_or_path
+        config = getattr(args, "denoiser_config", None) or component_configs(
+            base, (family.DENOISER,), args.revision, args.cache_dir)[family.DENOISER]
+        args.validation_guidance_scale = sampling_defaults(family, base, config, None, unconditional)["guidance_scale"]

@@ -204,6 +204,15 @@ def finish(args, files=PIPELINE_FILES, card=None):
         f"guidance {metrics['guidance_scale']}: sample.py's defaults); per digit: {metrics['per_digit']}; "
         f"samples in the red-ink style: {metrics['style_rate']:.0%}.",
         "",
+        "## Use it",
+        "",
+        f"What sample.py draws (`python sample.py --model {args.output_dir} --prompt \"a handwritten digit seven\"`; "
+        "it reads these settings from this card), in diffusers:",
+        "",
+        "```python",
+        usage_snippet(tmp, args.output_dir),
+        "```",
+        "",
         "| | |", "|---|---|", *text["rows"],
         f"| built with | torch {torch.__version__}, diffusers {diffusers.__version__}, transformers "
         f"{transformers.__version__}, Python {platform.python_version()}, commit {commit or 'unknown'} |",
@@ -223,6 +232,24 @@ def finish(args, files=PIPELINE_FILES, card=None):
     shutil.rmtree(args.output_dir, ignore_errors=True)
     os.replace(tmp, args.output_dir)
     print(f"wrote {args.output_dir} ({size / 1e6:.1f} MB): the prompted digit in {metrics['accuracy']:.1%} of samples")
+
+
+def usage_snippet(path, shown=None):
+    """The model card's code: the call that draws the base at `path` (named `shown` in the code) as `finish`
+    measured it, with the family's sampler, steps and guidance at the base's own size and T5 length, sample.py's
+    defaults (common/sampling_defaults.py reads them back from the card)."""
+    import diffusers
+    import torch
+
+    from common.families import load_family
+    from common.sampling_defaults import call_kwargs, pipeline_snippet, scheduler_swap
+
+    family = load_family(path, "--model", uses="the model card's code draws from")
+    pipe = getattr(diffusers, family.PIPELINE).from_pretrained(path, dtype=torch.float32)
+    call = call_kwargs(family, getattr(pipe, family.DENOISER).config, *family.sample_size(pipe), family.SAMPLE_STEPS,
+                       family.SAMPLE_GUIDANCE, family.text_length(pipe.components))
+    return pipeline_snippet(family, shown or path, "a handwritten digit seven", call,
+                            swap=scheduler_swap(family, pipe.scheduler))
 
 
 def sd_card(metrics, info, args):

@@ -122,6 +122,8 @@ LORA = [
     case("base-is-a-classifier", ["--pretrained_model_name_or_path", "{classifier}"],
          "is not a pipeline folder", "make tiny-sd"),
     case("base-path-missing", ["--pretrained_model_name_or_path", "{missing}"], "is neither a pipeline folder"),
+    case("guidance-input-the-base-lacks", ["--pretrained_model_name_or_path", "{flux_digits}", "--guidance_scale",
+                                           "3.5"], "--guidance_scale 3.5", "has no guidance embedding", "leave it out"),
     case("output-dir-is-a-file", ["--output_dir", "{a_file}"], "is a file", watched=["{a_file}"]),
     case("output-dir-not-writable", ["--output_dir", "{read_only}/out"], "cannot write in",
          watched=["{read_only}"]),
@@ -256,7 +258,8 @@ def paths(tmp_path_factory, tiny_sd, classifier_run, read_only):
             "no_images": root / "no_images", "missing": root / "no-such-folder", "a_file": root / "a_file",
             "unet_1ch": root / "unet_1ch.json", "not_safetensors": root / "not.safetensors",
             "foreign_lora": root / "foreign.safetensors", "sd": tiny_sd, "sd_no_size": root / "sd_no_size",
-            "classifier": classifier_run["out"], "read_only": read_only, "root": root}
+            "classifier": classifier_run["out"], "read_only": read_only, "root": root,
+            "flux_digits": ROOT / "assets" / "tiny-flux-digits"}  # (a Flux.1 base without a guidance embedding)
 
 
 def snapshot(path):

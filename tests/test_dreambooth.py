@@ -159,24 +159,30 @@ def test_class_images_train_everywhere_beside_masked_instances(instances, tmp_pa
     assert (masks[3:] == 1).all() and not (masks[:3] == 1).all() and (masks[:3] > 0).any()
 
 
-@pytest.mark.parametrize("name", ["tiny_sdxl", "tiny_sd3"])
+@pytest.mark.parametrize("name", ["tiny_sdxl", "tiny_sd3", "sd3 without T5"])
 def test_other_families_draw_class_images(name, request, tmp_path):
     """SDXL's and SD3's pipelines draw class images through the same code (in process: the drawing is all that
-    differs between families; their training is tested in test_lora_sdxl.py and test_lora_flow.py)."""
+    differs between families; their training is tested in test_lora_sdxl.py and test_lora_flow.py); SD3 with
+    --drop_t5 from a folder that has no T5, as the run trains."""
     import logging
 
     from accelerate import Accelerator
 
-    from common.dreambooth import class_images
+    from common.dreambooth import class_images, read_manifest
     from common.families import load_family
 
-    base = request.getfixturevalue(name)
+    base = request.getfixturevalue("tiny_sd3" if name == "sd3 without T5" else name)
+    if name == "sd3 without T5":
+        shutil.copytree(base, tmp_path / "no-t5", ignore=shutil.ignore_patterns("text_encoder_3", "tokenizer_3"))
+        base = tmp_path / "no-t5"
     args = argparse.Namespace(pretrained_model_name_or_path=str(base), revision=None, variant=None, cache_dir=None,
                               class_data_dir=str(tmp_path / "class"), class_prompt=CLASS, num_class_images=2,
-                              sample_batch_size=2, resolution=32, seed=0, max_sequence_length=16)
+                              sample_batch_size=2, resolution=32, seed=0, max_sequence_length=16,
+                              drop_t5=name == "sd3 without T5")
     family = load_family(str(base), "--pretrained_model_name_or_path")
     paths = class_images(args, Accelerator(cpu=True), family, torch.float32, logging.getLogger("test"))
     assert [Image.open(p).size for p in paths] == [(32, 32)] * 2
+    assert read_manifest(str(tmp_path / "class"))["drawn_by"].get("drop_t5") == (True if args.drop_t5 else None)
 
 
 @pytest.mark.parametrize("flags, needles", [

@@ -80,23 +80,30 @@ image = pipe(
 """
 
 
-def test_a_distilled_bases_sampling_defaults_come_from_its_model_card(tmp_path):
+def test_a_distilled_bases_sampling_defaults_come_from_its_model_card(tiny_z_image, tmp_path):
     """Z-Image-Turbo's card draws with 9 steps and no guidance: sample.py's defaults, the validation images' and the
-    LoRA card's snippet follow it; a base whose card names neither (or that has none) draws with the family's."""
+    LoRA card's snippet follow it (common/sampling_defaults.py); a base whose card names neither (or that has none)
+    draws with the family's."""
+    import json
+    import shutil
     from types import SimpleNamespace
 
-    from common.families import card_sampling, sampling_defaults
     from common.lora_metadata import lora_card
+    from common.sampling_defaults import card_call, sampling_defaults
 
     z_image = family_module("z_image")
-    (tmp_path / "turbo").mkdir()
-    (tmp_path / "turbo" / "README.md").write_text(TURBO_CARD)
-    assert card_sampling(str(tmp_path / "turbo")) == {"num_inference_steps": 9, "guidance_scale": 0.0}
-    assert sampling_defaults(z_image, str(tmp_path / "turbo")) == {"num_inference_steps": 9, "guidance_scale": 0.0}
-    assert sampling_defaults(z_image, str(tmp_path)) == {"num_inference_steps": 50, "guidance_scale": 5.0}
-    args = SimpleNamespace(pretrained_model_name_or_path=str(tmp_path / "turbo"), revision=None, cache_dir=None,
-                           dataset_name=None, train_data_dir="data", output_dir="out", resolution=1024, rank=8,
+    turbo = tmp_path / "turbo"
+    shutil.copytree(tiny_z_image, turbo)
+    (turbo / "README.md").write_text(TURBO_CARD)
+    config = json.loads((turbo / "transformer" / "config.json").read_text())
+    assert card_call(str(turbo)) == {"height": 1024, "width": 1024, "num_inference_steps": 9, "guidance_scale": 0.0}
+    drawn = sampling_defaults(z_image, str(turbo), config)
+    assert (drawn["num_inference_steps"], drawn["guidance_scale"]) == (9, 0.0)
+    plain = sampling_defaults(z_image, str(tiny_z_image), config)
+    assert (plain["num_inference_steps"], plain["guidance_scale"]) == (z_image.SAMPLE_STEPS, z_image.SAMPLE_GUIDANCE)
+    args = SimpleNamespace(pretrained_model_name_or_path=str(turbo), revision=None, cache_dir=None,
+                           dataset_name=None, train_data_dir="data", output_dir="out", resolution=32, rank=8,
                            lora_alpha=8, target_modules=["to_q"], train_text_encoder=False, caption_prefix=None,
                            validation_prompt=[], use_dora=False, adapter="lora")
-    usage = lora_card(args, {"base_model": str(tmp_path / "turbo")}, z_image, 10, 0.1, False, "a cat")[3]
-    assert 'pipe("a cat", num_inference_steps=9, guidance_scale=0.0)' in usage
+    usage = lora_card(args, {"base_model": str(turbo), "resolution": 32}, z_image, 10, 0.1, False, "a cat")[3]
+    assert "num_inference_steps=9" in usage and "guidance_scale=0.0" in usage, usage

@@ -27,7 +27,7 @@ TINY = ["--max_train_samples", "64", "--train_batch_size", "8", "--max_train_ste
         "5e-3", "--random_flip", "--caption_dropout_prob", "0.2", "--logging_steps", "1", "--validation_prompt",
         "a handwritten digit seven", "--validation_steps", "6", "--num_validation_images", "1",
         "--validation_inference_steps", "2", "--caption_prefix", "sks style, "]
-KOHYA = "pytorch_lora_weights_kohya.safetensors"
+KOHYA = "pytorch_lora_weights_ui.safetensors"
 
 
 @pytest.fixture(scope="module")
@@ -156,6 +156,15 @@ def test_lora_files_carry_training_metadata(trained, tiny_sd, digits):
     assert "lora_adapter_metadata" in metadata(trained / "pytorch_lora_weights.safetensors")
     at_6 = metadata(trained / "checkpoint-6" / "pytorch_lora_weights.safetensors")
     assert (at_6["ss_steps"], at_6["steps"], at_6["ss_max_train_steps"]) == ("6", "6", "12")
+
+
+def test_the_card_code_draws_what_sample_py_draws(trained, tmp_path, monkeypatch):
+    """The LoRA's README.md, run as printed: sample.py's sampler (DPM-Solver++ with the base's schedule), steps and
+    guidance at the run's size, the LoRA on the UNet and the text encoder."""
+    from test_snippets import card_draws_what_sample_py_draws
+
+    code = card_draws_what_sample_py_draws(trained, tmp_path, monkeypatch)
+    assert "DPMSolverMultistepScheduler.from_config" in code and "num_inference_steps=30, guidance_scale=7.5" in code
 
 
 @pytest.mark.parametrize("use_dora", [False, True])

@@ -14,7 +14,7 @@ EMA = ["--max_train_samples", "32", "--train_batch_size", "8", "--max_train_step
        "--validation_prompt", "a handwritten digit seven", "--validation_steps", "100", "--num_validation_images", "1",
        "--validation_inference_steps", "2", "--use_ema", "--ema_max_decay", "0.9"]
 LORA = "pytorch_lora_weights.safetensors"
-KOHYA = "pytorch_lora_weights_kohya.safetensors"
+KOHYA = "pytorch_lora_weights_ui.safetensors"
 
 
 def ema_args(digits, tiny_sd, out, *extra):

@@ -127,7 +127,7 @@ def test_the_lora_loads_back_exactly(trained):
     assert info["target_modules"] == family_module(name).LORA_TARGETS.split(",")
     # the UI file: the same weights under the names ComfyUI reads for this family (tests/test_ui_lora.py holds them
     # against ComfyUI's map), each module with its alpha: alpha / rank as trained
-    ui = load_file(out / "pytorch_lora_weights_kohya.safetensors")
+    ui = load_file(out / "pytorch_lora_weights_ui.safetensors")
     alphas = {key.removesuffix(".alpha"): value.item() for key, value in ui.items() if key.endswith(".alpha")}
     ranks = {module: ui.get(f"{module}.lora_down.weight", ui.get(f"{module}.lora_A.weight")).shape[0]
              for module in alphas}
@@ -137,7 +137,7 @@ def test_the_lora_loads_back_exactly(trained):
         assert adapter and all(torch.equal(ui[f"transformer.{key}"], value) for key, value in adapter.items())
     else:  # the base's own module names (FLUX.2's fused q, k, v): diffusers' loader reads them back to the same model
         pipe = pipeline(name, base)
-        pipe.load_lora_weights(out, weight_name="pytorch_lora_weights_kohya.safetensors")
+        pipe.load_lora_weights(out, weight_name="pytorch_lora_weights_ui.safetensors")
         assert (fixed_outputs(name, pipe)[0] - expected[0]).abs().max() < 1e-5
     card = (out / "README.md").read_text()
     assert PIPELINES[name] in card
@@ -189,6 +189,16 @@ def test_sample_py_is_the_pipeline_and_the_validation_image(trained, tmp_path):
     plain = pipeline(name, base)("a handwritten digit seven", num_inference_steps=2, height=32, width=32,
                                  generator=torch.Generator().manual_seed(0), **guidance).images[0]
     assert np.abs(pixels(tmp_path / "base" / "0000.png") - np.asarray(plain).astype(int)).max() <= 1
+
+
+def test_the_card_code_draws_what_sample_py_draws(trained, tmp_path, monkeypatch):
+    """The LoRA's README.md, run as printed: the run's size and T5 length (40), the family's guidance (Flux.1-dev's
+    input; SD3's CFG)."""
+    from test_snippets import card_draws_what_sample_py_draws
+
+    name, _, out = trained
+    code = card_draws_what_sample_py_draws(out, tmp_path, monkeypatch)
+    assert "height=32, width=32" in code and "max_sequence_length=40" in code and "guidance_scale=" in code
 
 
 def test_inspect_traces_the_flow_pipeline(trained):
@@ -256,9 +266,12 @@ def test_two_processes(name, bases, digits, tmp_path):
 
 
 @pytest.mark.parametrize("name", ONE_VARIANT)
-def test_full_fine_tune_saves_a_pipeline(name, bases, digits, tmp_path):
+def test_full_fine_tune_saves_a_pipeline(name, bases, digits, tmp_path, monkeypatch):
     """train_text_to_image.py on the transformer (Flux: a fresh one from --transformer_config), with its EMA: the
-    output loads with from_pretrained and holds the EMA weights, and samples."""
+    output loads with from_pretrained and holds the EMA weights, and samples; its card's code draws what sample.py
+    draws (at the run's T5 length)."""
+    from test_snippets import card_draws_what_sample_py_draws
+
     base = bases[name]
     fresh = ["--transformer_config", base / "transformer"] if name == "flux" else []
     launch("train_text_to_image.py", "--train_data_dir", digits, "--pretrained_model_name_or_path", base,
@@ -274,6 +287,7 @@ def test_full_fine_tune_saves_a_pipeline(name, bases, digits, tmp_path):
     image = pipe(prompt="a handwritten digit seven", num_inference_steps=2, height=32, width=32,
                  max_sequence_length=40, generator=torch.Generator().manual_seed(0)).images[0]
     assert image.size == (32, 32)
+    assert "max_sequence_length=40" in card_draws_what_sample_py_draws(tmp_path / "out", tmp_path, monkeypatch)
 
 
 @pytest.mark.parametrize("name", ["flux", "flux2_klein"])
@@ -384,16 +398,20 @@ def test_bad_input_is_one_line_and_writes_nothing(case, bases, tiny_sd, sd3_with
     assert not (tmp_path / "out").exists()
 
 
-def test_sd3_trains_and_samples_without_t5(sd3_without_t5, digits, tmp_path):
+def test_sd3_trains_and_samples_without_t5(sd3_without_t5, digits, tmp_path, monkeypatch):
+    """--drop_t5 is recorded in lora_info.json: sample.py and the card's code draw the LoRA without T5, as it
+    trained; the base folder alone still needs the flag."""
+    from test_snippets import card_draws_what_sample_py_draws
+
     launch("train_lora.py", "--train_data_dir", digits, "--pretrained_model_name_or_path", sd3_without_t5,
            "--output_dir", tmp_path / "out", "--drop_t5", "--max_train_samples", "8", "--train_batch_size", "4",
            "--max_train_steps", "2")
-    proc = run_script("sample.py", "--model", tmp_path / "out", "--prompt", "a digit", "--num_images", "1",
+    assert json.loads((tmp_path / "out" / "lora_info.json").read_text())["drop_t5"] is True
+    code = card_draws_what_sample_py_draws(tmp_path / "out", tmp_path, monkeypatch)
+    assert "text_encoder_3=None, tokenizer_3=None" in code and "max_sequence_length=77" in code
+    proc = run_script("sample.py", "--model", sd3_without_t5, "--prompt", "a digit", "--num_images", "1",
                       "--num_inference_steps", "2", "--output_dir", tmp_path / "s")
     assert_one_line_error(proc, "--drop_t5")
-    proc = run_script("sample.py", "--model", tmp_path / "out", "--prompt", "a digit", "--num_images", "1",
-                      "--num_inference_steps", "2", "--output_dir", tmp_path / "s", "--drop_t5")
-    assert proc.returncode == 0 and (tmp_path / "s" / "0000.png").is_file(), proc.stderr[-2000:]
 
 
 def test_a_lora_of_another_family_is_one_line(bases, tiny_sd, tmp_path):
@@ -483,7 +501,7 @@ def test_sample_py_draws_a_distilled_base_as_its_model_card_says(tiny_z_image, t
     shutil.copytree(tiny_z_image, base)
     (base / "README.md").write_text(TURBO_CARD)
     proc = run_script("sample.py", "--model", base, "--prompt", "a handwritten digit seven", "--num_images", "1",
-                      "--output_dir", tmp_path / "s")
+                      "--height", "32", "--width", "32", "--output_dir", tmp_path / "s")  # (the card's is 1024)
     assert proc.returncode == 0, proc.stderr[-3000:]
     params = json.loads(Image.open(tmp_path / "s" / "0000.png").text["parameters"])
     assert params["num_inference_steps"] == 9 and params["guidance_scale"] == 0.0

@@ -21,7 +21,7 @@ TINY = ["--max_train_samples", "32", "--train_batch_size", "8", "--max_train_ste
         "--logging_steps", "1", "--target_modules", ",".join(UNET_TARGETS), "--validation_prompt",
         "a handwritten digit seven", "--validation_steps", "4", "--num_validation_images", "1",
         "--validation_inference_steps", "2", "--caption_prefix", "sks, "]
-KOHYA = "pytorch_lora_weights_kohya.safetensors"
+KOHYA = "pytorch_lora_weights_ui.safetensors"
 
 
 @pytest.fixture(scope="module")
@@ -113,6 +113,12 @@ def test_validation_images_are_what_sample_py_draws(trained, tmp_path):
     validation, sampled = pixels(trained / "samples" / "step-4" / "0-0.png"), pixels(tmp_path / "samples" / "0000.png")
     assert validation.shape == sampled.shape == (32, 32, 3)
     assert np.abs(validation - sampled).max() <= 1
+
+
+def test_the_card_code_draws_what_sample_py_draws(trained, tmp_path, monkeypatch):
+    from test_snippets import card_draws_what_sample_py_draws
+
+    assert "StableDiffusionXLPipeline" in card_draws_what_sample_py_draws(trained, tmp_path, monkeypatch)
 
 
 def test_a_resumed_sdxl_run_matches_the_uninterrupted_one(trained, digits, tiny_sdxl, tmp_path):

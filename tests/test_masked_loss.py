@@ -190,13 +190,19 @@ def test_masked_prior_preservation_compares_with_the_base_outside_the_masks():
     from peft import LoraConfig
 
     from common.loss_masks import base_prediction, masked_prior_losses
+    from common.objectives import FlowMatching, Noised
 
     g = torch.Generator().manual_seed(0)
     prediction, base = torch.randn(2, 4, 4, 4, generator=g), torch.randn(2, 4, 4, 4, generator=g)
     mask = (torch.rand(2, 1, 4, 4, generator=g) > 0.5).float()
-    by_hand = [((prediction[i] - base[i]) ** 2 * (1 - mask[i])).mean() for i in range(2)]
-    assert torch.allclose(masked_prior_losses(prediction, base, mask), torch.stack(by_hand))
-    assert torch.equal(masked_prior_losses(prediction, base, torch.ones_like(mask)), torch.zeros(2))
+    by_hand = torch.stack([((prediction[i] - base[i]) ** 2 * (1 - mask[i])).mean() for i in range(2)])
+    sigmas = torch.tensor([0.1, 0.9]).view(2, 1, 1, 1)
+    noised = Noised(torch.randn(2, 4, 4, 4, generator=g), None, None, None, sigmas)
+    flow = FlowMatching.__new__(FlowMatching)  # (its compare step only: no scheduler needed)
+    for precondition, expected in ((False, by_hand), (True, by_hand * sigmas.flatten() ** 2)):
+        flow.precondition_outputs = precondition  # SD3's: x0 estimates x_t - sigma * output are compared
+        assert torch.allclose(masked_prior_losses(flow, prediction, base, noised, mask), expected)
+        assert torch.equal(masked_prior_losses(flow, prediction, base, noised, torch.ones_like(mask)), torch.zeros(2))
 
     model = FluxTransformer2DModel.from_pretrained(BASE, subfolder="transformer")
     config = model.config

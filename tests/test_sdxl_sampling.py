@@ -41,7 +41,7 @@ def loras(tmp_path_factory, tiny_sd, tiny_sdxl):
     from safetensors.torch import load_file, save_file
 
     from common.families import family_module
-    from common.lora_files import KOHYA_WEIGHTS, LORA_WEIGHTS, save_lora_weights
+    from common.lora_files import LORA_WEIGHTS, UI_WEIGHTS, save_lora_weights
 
     root = tmp_path_factory.mktemp("sdxl-loras")
     paths = {}
@@ -54,8 +54,8 @@ def loras(tmp_path_factory, tiny_sd, tiny_sdxl):
         save_lora_weights(str(root / kind), family, add_lora(pipe, parts), {"base_model": str(base), "rank": 4,
                                                                     "lora_alpha": 4}, metadata=metadata)
         paths[kind] = root / kind
-    for name, file in (("sdxl_keys", root / "sdxl" / LORA_WEIGHTS), ("sdxl_kohya_keys", root / "sdxl" / KOHYA_WEIGHTS),
-                       ("sd_kohya_keys", root / "sd" / KOHYA_WEIGHTS)):
+    for name, file in (("sdxl_keys", root / "sdxl" / LORA_WEIGHTS), ("sdxl_kohya_keys", root / "sdxl" / UI_WEIGHTS),
+                       ("sd_kohya_keys", root / "sd" / UI_WEIGHTS)):
         paths[name] = root / f"{name}.safetensors"  # the same tensors, no metadata: the keys must tell
         save_file(load_file(file), paths[name])
     return paths

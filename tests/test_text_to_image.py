@@ -48,6 +48,14 @@ def test_outputs_a_pipeline_with_the_ema_unet(trained, tiny_sd):
     assert (trained / "samples" / "step-12" / "0-0.png").is_file() and (trained / "README.md").is_file()
 
 
+def test_the_card_code_draws_what_sample_py_draws(trained, tmp_path, monkeypatch):
+    """The output's README.md, run as printed (the trained v-prediction travels in its scheduler config)."""
+    from test_snippets import card_draws_what_sample_py_draws
+
+    code = card_draws_what_sample_py_draws(trained, tmp_path, monkeypatch)
+    assert f'StableDiffusionPipeline.from_pretrained("{trained}")' in code and "height=32, width=32" in code
+
+
 def test_resume_matches_the_uninterrupted_run(trained, digits, tiny_sd, tmp_path):
     out = tmp_path / "resumed"
     out.mkdir()

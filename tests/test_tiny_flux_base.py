@@ -92,7 +92,7 @@ def test_a_short_lora_changes_the_samples_and_loads_back(style_lora):
         return (out * 255).round().astype(int)
 
     assert np.abs(images(pipeline(BASE)) - trained).max() > 40  # the LoRA changed the samples
-    for weights in ("pytorch_lora_weights.safetensors", "pytorch_lora_weights_kohya.safetensors"):
+    for weights in ("pytorch_lora_weights.safetensors", "pytorch_lora_weights_ui.safetensors"):
         pipe = pipeline(BASE)
         pipe.load_lora_weights(style_lora, weight_name=weights)
         assert np.abs(images(pipe) - trained).max() <= 2, weights
@@ -128,7 +128,8 @@ def test_rebuild_with_tiny_step_counts_and_damage_is_refused(digits, tmp_path):
                              "--output_dir", shipped, "--per_digit", "1", "--min_accuracy", "0", "--commands",
                              "one ;; two"], cwd=ROOT, env=env, capture_output=True, text=True)
     assert finish.returncode == 0, finish.stderr[-3000:]
-    assert "one\ntwo" in (shipped / "README.md").read_text()
+    card = (shipped / "README.md").read_text()  # the commands, and the call sample.py reads its defaults from
+    assert "one\ntwo" in card and 'true_cfg_scale=3.5, negative_prompt=""' in " ".join(card.split())
     pipeline(shipped)  # loads
     out = tmp_path / "lora"
     args = ["--pretrained_model_name_or_path", shipped, "--train_data_dir", digits, "--output_dir", out]

@@ -97,7 +97,7 @@ def test_load_lora_weights_and_kohya_give_the_trained_models_images(style_lora):
     step = read_results(style_lora)["global_step"]
     trained = np.stack([np.asarray(Image.open(style_lora / "samples" / f"step-{step}" / f"0-{j}.png"))
                         for j in range(4)])
-    for weights in ("pytorch_lora_weights.safetensors", "pytorch_lora_weights_kohya.safetensors"):
+    for weights in ("pytorch_lora_weights.safetensors", "pytorch_lora_weights_ui.safetensors"):
         pipe = pipeline(BASE)
         pipe.load_lora_weights(style_lora, weight_name=weights)
         generators = [torch.Generator().manual_seed(42 + j) for j in range(4)]

@@ -25,7 +25,7 @@ VARIANTS = {  # name: (UNet targets, text encoders, DoRA, rank, alpha)
     "dora": (EVERY_LAYER, True, True, 4, 4),
     "alpha": (EVERY_LAYER, True, False, 4, 2),
 }
-UI_FILE = "pytorch_lora_weights_kohya.safetensors"
+UI_FILE = "pytorch_lora_weights_ui.safetensors"
 
 
 def real_structure(kind):

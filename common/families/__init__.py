@@ -164,37 +164,6 @@ def check_lora_base(flag, path, metadata, keys, base, base_family):
                         "base")
 
 
-def card_sampling(path, revision=None, cache_dir=None):
-    """What a base's model card (README.md) passes its pipeline in its example code, {"num_inference_steps",
-    "guidance_scale"} (those it names): how a distilled base draws (Z-Image-Turbo: 9 steps, guidance 0). A hub base's
-    card is fetched alone; without one (offline), {}."""
-    import re
-
-    try:
-        card = os.path.join(path, "README.md")
-        if not os.path.isdir(path):
-            from huggingface_hub import hf_hub_download
-
-            card = hf_hub_download(path, "README.md", revision=revision, cache_dir=cache_dir)
-        with open(card, encoding="utf-8") as f:
-            text = f.read()
-    except (OSError, ValueError):
-        return {}
-    found = {}
-    for key, number, kind in (("num_inference_steps", r"\d+", int), ("guidance_scale", r"\d+(?:\.\d+)?", float)):
-        match = re.search(rf"\b{key}\s*=\s*({number})\b", text)
-        if match:
-            found[key] = kind(match.group(1))
-    return found
-
-
-def sampling_defaults(family, path, revision=None, cache_dir=None):
-    """{"num_inference_steps", "guidance_scale"} a base draws with by default (sample.py's, the validation images'):
-    its model card's (card_sampling), else the family's (its pipeline's own)."""
-    return {"num_inference_steps": family.SAMPLE_STEPS, "guidance_scale": family.SAMPLE_GUIDANCE,
-            **card_sampling(path, revision, cache_dir)}
-
-
 # What several families share, named by each family module that has it (`guidance_kwargs = classifier_free_guidance`).
 def classifier_free_guidance(denoiser_config, scale, batch):
     """A pipeline call's guidance at `scale`: classifier-free, the unconditional branch above 1. -> (the call's

@@ -36,7 +36,8 @@ MAX_SEQUENCE_LENGTH = 512  # diffusers' Flux script's default
 TRAINING_GUIDANCE = 3.5  # the guidance input while training (diffusers' Flux script's --guidance_scale)
 OPTIONAL_COMPONENTS = None
 SAMPLERS = FLOW_SCHEDULER_CLASSES
-SAMPLER, SAMPLE_STEPS, SAMPLE_GUIDANCE = "euler", 28, 3.5  # FluxPipeline's defaults
+SAMPLER, SAMPLE_STEPS, SAMPLE_GUIDANCE = "euler", 28, 3.5  # FluxPipeline's defaults (3.5: the guidance input; a base
+# without a guidance embedding draws without true CFG unless its card says so: common/sampling_defaults.py)
 SAMPLE_FLAGS = ("max_sequence_length",)
 LORA_SCALE_ARGUMENT = "joint_attention_kwargs"  # the pipeline call's argument that scales the LoRAs
 PIPELINE_EXTRAS = {}
@@ -133,10 +134,13 @@ def denoise(transformer, noisy, timesteps, cond, guidance=None):
 def guidance_kwargs(denoiser_config, scale, batch):
     """A guidance-distilled base (Flux.1-dev) is given the guidance as an input, with no unconditional branch; one
     without a guidance embedding (Flux.1-schnell, a base trained here from scratch with caption dropout) gets true
-    classifier-free guidance (FluxPipeline's true_cfg_scale, against the empty prompt) when `scale` is above 1.
-    -> (the call's arguments, whether it needs the unconditional embeddings)."""
-    if denoiser_config.get("guidance_embeds") or scale <= 1:
+    classifier-free guidance (FluxPipeline's true_cfg_scale, against the empty prompt) when `scale` is above 1, and
+    no guidance argument at all at 1 or below. -> (the call's arguments, whether it needs the unconditional
+    embeddings)."""
+    if denoiser_config.get("guidance_embeds"):
         return {"guidance_scale": scale}, False
+    if scale <= 1:
+        return {}, False
     return {"true_cfg_scale": scale, "negative_prompt": [""] * batch}, True
 
 

@@ -16,7 +16,7 @@ gives the names load_lora_for_models (the LoraLoader node) matches a file's keys
 weight for the double blocks' q, k and v) that name a weight of the model: name -> [weight, ndim, [dim, start, size]
 of the slice it patches or None, whether ComfyUI swaps the update's halves (the final norm's)].
 
-Each LoRA folder's pytorch_lora_weights_kohya.safetensors is loaded as the LoraLoader node loads it (strength 1, and
+Each LoRA folder's pytorch_lora_weights_ui.safetensors is loaded as the LoraLoader node loads it (strength 1, and
 0.5), and every weight ComfyUI patches (comfy.lora.calculate_weight, in fp32) is compared with expected.safetensors,
 the transformer with the adapter merged by peft (at 0.5: halfway between it and the base); the keys ComfyUI leaves
 ("lora key not loaded") are printed. ComfyUI's DoRA is not peft's (it divides by the base weight's norm): the DoRA file
@@ -63,7 +63,7 @@ def check(comfy, unet, folder, strength):
     handler = logging.Handler()
     handler.emit = lambda record: left.append(record.getMessage())
     logging.getLogger().addHandler(handler)
-    lora = comfy.utils.load_torch_file(os.path.join(folder, "pytorch_lora_weights_kohya.safetensors"), safe_load=True)
+    lora = comfy.utils.load_torch_file(os.path.join(folder, "pytorch_lora_weights_ui.safetensors"), safe_load=True)
     patched, _ = comfy.sd.load_lora_for_models(unet, None, lora, strength, 0.0)
     logging.getLogger().removeHandler(handler)
     not_loaded = [m for m in left if "lora key not loaded" in m or "NOT LOADED" in m]
@@ -112,7 +112,7 @@ def main():
                   f"weights the adapter changes that ComfyUI left: {len(unchanged)}"
                   + "".join(f"\n  {m}" for m in not_loaded[:10] + unchanged[:10]))
     # DoRA: ComfyUI divides by the base weight's norm (m W' / ||W||, DoRA's is m W' / ||W'||): its formula on the file
-    check_lora(comfy, unet, None, os.path.join(args.folder, "dora", "pytorch_lora_weights_kohya.safetensors"))
+    check_lora(comfy, unet, None, os.path.join(args.folder, "dora", "pytorch_lora_weights_ui.safetensors"))
     if args.write:
         text = json.dumps({"flux2": names}, indent=0, sort_keys=True, separators=(",", ":"))
         with open(OUT, "wb") as f:  # (no time stamp: the same bytes for the same map)

@@ -9,7 +9,7 @@ architectures (nothing is downloaded; SDXL in bf16 takes 7 GB of memory instead 
     .venv/bin/python -c "import torch; torch.set_default_dtype(torch.bfloat16); from demo.tiny_sd import \
 write_tiny_sd; write_tiny_sd('models/sdxl-random', 'sdxl')"
     /path/to/comfy-python tests/tools/comfyui_lora_keys.py --comfyui /path/to/ComfyUI --sd15 models/sd15-random \
-        --sdxl models/sdxl-random [--write] [--lora sd15=outputs/lora-a/pytorch_lora_weights_kohya.safetensors ...]
+        --sdxl models/sdxl-random [--write] [--lora sd15=outputs/lora-a/pytorch_lora_weights_ui.safetensors ...]
 
 Each base's UNet goes through comfy.sd.load_diffusion_model (the UNETLoader node's path; it reads diffusers-format
 UNets) and its text encoders through comfy.sd.load_text_encoder_state_dicts (the CLIPLoader / DualCLIPLoader path,

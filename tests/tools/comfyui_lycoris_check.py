@@ -4,7 +4,7 @@ load the tiny bases as models (its model detection wants the real widths):
 
     .venv/bin/python tests/tools/comfyui_lycoris_check.py --output outputs/loha --expected /tmp/loha.safetensors
     /path/to/comfy-python tests/tools/comfyui_lycoris_check.py --comfyui /path/to/ComfyUI \\
-        --lora outputs/loha/pytorch_lora_weights_kohya.safetensors --expected /tmp/loha.safetensors
+        --lora outputs/loha/pytorch_lora_weights_ui.safetensors --expected /tmp/loha.safetensors
 
 The first step loads the output as sample.py does (its base, then peft_adapter_weights.safetensors through peft) and
 writes, under each module's name in the UI file (the family's ui_lora names), the base weight (`<name>.weight`) and
@@ -104,7 +104,7 @@ def main():
     parser.add_argument("--output", help="A train_lora.py LoHa or LoKr output (step 1, this project's Python).")
     parser.add_argument("--expected", required=True, help="The file step 1 writes and step 2 reads.")
     parser.add_argument("--comfyui", help="A ComfyUI checkout (step 2, ComfyUI's Python).")
-    parser.add_argument("--lora", help="The output's pytorch_lora_weights_kohya.safetensors (step 2).")
+    parser.add_argument("--lora", help="The output's pytorch_lora_weights_ui.safetensors (step 2).")
     parser.add_argument("--flux", default=None, help="DEPTH,SINGLE: the Flux.1 transformer's block counts (step 2).")
     args = parser.parse_args()
     if args.comfyui:

@@ -16,7 +16,7 @@ comfy.lora.model_lora_keys_unet then gives the names ComfyUI maps onto that mode
 (diffusers'), each with the weight it patches and its shape.
 
 Each --lora (a train_lora.py output folder) is loaded as the LoraLoader node does (comfy.sd.load_lora_for_models,
-strength 1) from its pytorch_lora_weights_kohya.safetensors: the "lora key not loaded" lines, the largest difference
+strength 1) from its pytorch_lora_weights_ui.safetensors: the "lora key not loaded" lines, the largest difference
 between each weight ComfyUI patches and W + (alpha / rank) * up @ down (tests/tools/comfyui_lora_keys.py's
 check_lora), and, end to end, ComfyUI's patched transformer against diffusers' (QwenImagePipeline.load_lora_weights of
 the same folder) on one fixed input: the largest difference of their outputs, beside how far the LoRA moves them.
@@ -86,7 +86,7 @@ def end_to_end(comfy, unet, base, output):
     from diffusers import QwenImageTransformer2DModel
     from diffusers.loaders import QwenImageLoraLoaderMixin  # (QwenImagePipeline's loader, without its text model)
 
-    lora = comfy.utils.load_torch_file(os.path.join(output, "pytorch_lora_weights_kohya.safetensors"), safe_load=True)
+    lora = comfy.utils.load_torch_file(os.path.join(output, "pytorch_lora_weights_ui.safetensors"), safe_load=True)
     patched, _ = comfy.sd.load_lora_for_models(unet, None, lora, 1.0, 1.0)
     patched.patch_model()
     transformer = QwenImageTransformer2DModel.from_pretrained(base, subfolder="transformer", dtype=torch.float32)
@@ -126,7 +126,7 @@ def main():
     names = pinned_names(comfy, unet)
     print(f"{args.base}: {type(unet.model.model_config).__name__}, {len(names)} LoRA module names")
     for output in args.lora:
-        check_lora(comfy, unet, None, os.path.join(output, "pytorch_lora_weights_kohya.safetensors"))
+        check_lora(comfy, unet, None, os.path.join(output, "pytorch_lora_weights_ui.safetensors"))
         difference, effect = end_to_end(comfy, unet, args.base, output)
         print(f"  end to end: ComfyUI's patched transformer vs diffusers' load_lora_weights: largest difference "
               f"{difference:.2e} (the LoRA moves the output by up to {effect:.2e})")

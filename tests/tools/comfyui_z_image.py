@@ -31,7 +31,7 @@ from comfyui_lora_keys import check_lora, import_comfy  # noqa: E402
 
 OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "data", "comfyui_lora_keys_z_image.json.gz")
 KINDS = ("default", "every", "dora")
-UI_FILE = "pytorch_lora_weights_kohya.safetensors"
+UI_FILE = "pytorch_lora_weights_ui.safetensors"
 
 
 def comfy_layout(comfy, sd, config):
