@@ -65,3 +65,15 @@ def test_a_family_module_without_the_module_it_builds_on_is_one_line(tmp_path):
                           env={"PYTHONPATH": str(tmp_path)})
     assert proc.stdout.strip() == ("common/families/flux2.py needs common/families/flux2_klein.py, the module of "
                                    "Flux2Pipeline bases: copy it beside common/families/__init__.py"), proc.stderr
+
+
+def test_flux2_and_flux1_loras_are_told_apart_by_their_tensor_names():
+    """FLUX.2's own layers (the fused single-block projection, the SwiGLU feed-forwards) name FLUX.2, whichever of dev
+    and klein the base is; Flux.1's diffusers names (its single blocks' q/k/v, its feed-forwards' net.0.proj) do not."""
+    flux2 = ["transformer.single_transformer_blocks.3.attn.to_qkv_mlp_proj.lora_A.weight"]
+    assert lora_family({}, flux2)[0] == "flux2_klein"
+    assert lora_family({}, flux2, prefer="flux2")[0] == "flux2"
+    assert lora_family({}, flux2, prefer="flux")[0] == "flux2_klein"
+    assert lora_family({}, ["transformer.transformer_blocks.0.ff_context.linear_in.lora_A.weight"])[0] == "flux2_klein"
+    assert lora_family({}, ["transformer.single_transformer_blocks.0.attn.to_q.lora_A.weight"])[0] == "flux"
+    assert lora_family({}, ["transformer.transformer_blocks.0.ff_context.net.0.proj.lora_A.weight"])[0] is None
