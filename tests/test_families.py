@@ -107,3 +107,15 @@ def test_a_distilled_bases_sampling_defaults_come_from_its_model_card(tiny_z_ima
                            validation_prompt=[], use_dora=False, adapter="lora")
     usage = lora_card(args, {"base_model": str(turbo), "resolution": 32}, z_image, 10, 0.1, False, "a cat")[3]
     assert "num_inference_steps=9" in usage and "guidance_scale=0.0" in usage, usage
+
+
+def test_flux2_and_flux1_loras_are_told_apart_by_their_tensor_names():
+    """FLUX.2's own layers (the fused single-block projection, the SwiGLU feed-forwards) name FLUX.2, whichever of dev
+    and klein the base is; Flux.1's diffusers names (its single blocks' q/k/v, its feed-forwards' net.0.proj) do not."""
+    flux2 = ["transformer.single_transformer_blocks.3.attn.to_qkv_mlp_proj.lora_A.weight"]
+    assert lora_family({}, flux2)[0] == "flux2_klein"
+    assert lora_family({}, flux2, prefer="flux2")[0] == "flux2"
+    assert lora_family({}, flux2, prefer="flux")[0] == "flux2_klein"
+    assert lora_family({}, ["transformer.transformer_blocks.0.ff_context.linear_in.lora_A.weight"])[0] == "flux2_klein"
+    assert lora_family({}, ["transformer.single_transformer_blocks.0.attn.to_q.lora_A.weight"])[0] == "flux"
+    assert lora_family({}, ["transformer.transformer_blocks.0.ff_context.net.0.proj.lora_A.weight"])[0] is None

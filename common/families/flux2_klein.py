@@ -8,8 +8,9 @@ noise - x0; as the pipeline embeds prompts (the script's --text_encoder_out_laye
 
 The UI file holds FLUX.2's own module names (double_blocks, single_blocks, kohya's lora_unet_ prefix): what ComfyUI's
 key map gives every model it loads, where diffusers' names of FLUX.2's fused layers are not read by ComfyUI before
-its FLUX.2 map (Comfy-Org/ComfyUI#11926). The double blocks' separate q, k and v LoRAs go into the fused qkv weight as
-one LoRA of their ranks together (down weights stacked, up weights block-diagonal), exactly.
+its FLUX.2 map (Comfy-Org/ComfyUI#11926). The double blocks' separate q, k and v LoRAs (and LoHas) go into the fused
+qkv weight as one of their ranks together (down weights stacked, up weights block-diagonal), exactly; a LoKr's, which
+cannot be fused, under ComfyUI's lycoris_ names, which its map slices out of the fused weight.
 
 This module is complete on its own (a copy of train_lora.py for klein needs nothing else); FLUX.2 dev (flux2.py)
 takes what the two share from here.
@@ -32,7 +33,8 @@ SWAP_BLOCKS = ("transformer_blocks", "single_transformer_blocks")  # the blocks,
 # LoRAs have (its fused single-block projection, its SwiGLU feed-forwards, its shared modulations; `*`: any block).
 LORA_METADATA = {"modelspec.architecture": ("flux-2-klein", "Flux.2-klein")}
 LORA_KEY_PREFIXES = ("transformer.single_transformer_blocks.*.attn.to_qkv_mlp_proj.",
-                     "transformer.transformer_blocks.*.ff.linear_", "transformer.transformer_blocks.*.ff_context.",
+                     "transformer.transformer_blocks.*.ff.linear_",
+                     "transformer.transformer_blocks.*.ff_context.linear_",
                      "transformer.double_stream_modulation_", "transformer.single_stream_modulation.",
                      "transformer.time_guidance_embed.", "lora_unet_double_stream_modulation_",
                      "lora_unet_single_stream_modulation_")
