@@ -89,14 +89,16 @@ def test_the_prompt_cache_spills_to_memory_mapped_files_and_reads_back_the_same(
 
     def embed(ids):
         x = ids[0].float()
-        return {"prompt_embeds": torch.stack([x, -x], dim=-1).to(torch.bfloat16), "pooled_prompt_embeds": x.sum(-1)}
+        return {"prompt_embeds": torch.stack([x, -x], dim=-1).to(torch.bfloat16), "pooled_prompt_embeds": x.sum(-1),
+                "prompt_embeds_mask": ids[0] % 3}  # (an integer mask, as Qwen-Image's)
 
     ids = [torch.arange(40).view(10, 4)]
     memory = PromptCache(embed, ids, batch_size=3, zero_rows=[2])
     spilled = PromptCache(embed, ids, batch_size=3, zero_rows=[2], limit_gb=0)
     assert not memory.spilled and spilled.spilled
     rows = torch.tensor([7, 2, 0])
-    for name in ("prompt_embeds", "pooled_prompt_embeds"):
+    assert spilled[rows]["prompt_embeds_mask"].dtype == torch.int64 and spilled[[7]]["prompt_embeds_mask"].sum() > 0
+    for name in ("prompt_embeds", "pooled_prompt_embeds", "prompt_embeds_mask"):
         assert torch.equal(memory[rows][name], spilled[rows][name]) and memory[rows][name].dtype == \
             spilled[rows][name].dtype
     assert not memory[[2]]["prompt_embeds"].any()
