@@ -253,7 +253,7 @@ lint: install
 # Two test processes (pytest-xdist), one test module each at a time: most tests run one single-threaded subprocess.
 TEST_WORKERS ?= 2
 test: lint
-	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests $(ARGS)
+	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup tests $(ARGS)
 
 # Each recipe against a hand-written reference loop, --help latency, sample.py images/s (tests/benchmarks/):
 # one table, and outputs/bench/results.json; then the Flux and Qwen-Image rows against diffusers' own scripts

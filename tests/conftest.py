@@ -245,3 +245,22 @@ def tiny_flux2(tmp_path_factory):
     path = tmp_path_factory.mktemp("models") / "tiny-flux2"
     write_tiny_flux2(str(path))
     return path
+
+
+# Modules whose family-parametrized tests run side by side, one family a worker at a time (`make test` uses pytest-xdist
+# with --dist loadgroup): one such module holds most of the suite's time.
+SPLIT_BY_FAMILY = {"test_lora_flow"}
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """Each test in an xdist group: its module's (the module-scoped builds are shared, as with --dist loadfile), or in
+    SPLIT_BY_FAMILY modules the module's and the family's (the `trained` fixture's or the `name` parameter)."""
+    for item in items:
+        if item.get_closest_marker("xdist_group") is not None:
+            continue
+        module = item.module.__name__
+        params = getattr(item, "callspec", None)
+        family = params and (params.params.get("trained") or params.params.get("name"))
+        group = f"{module}-{family}" if module in SPLIT_BY_FAMILY and isinstance(family, str) else module
+        item.add_marker(pytest.mark.xdist_group(group))
