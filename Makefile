@@ -230,15 +230,17 @@ test: lint
 	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests $(ARGS)
 
 # Each recipe against a hand-written reference loop, --help latency, sample.py images/s (tests/benchmarks/):
-# one table, and outputs/bench/results.json; then the Flux row against diffusers' own script (flux_peer.py, about
-# 2 min). About 5 min on 2 CPU cores (3 repeats), plus about 5 for lora_buckets and
+# one table, and outputs/bench/results.json; then the Flux and Z-Image rows against diffusers' own scripts
+# (flux_peer.py, z_image_peer.py, a few minutes each). About 5 min on 2 CPU cores (3 repeats), plus about 5 for lora_buckets and
 # lora_square (aspect-ratio buckets against square crops); BENCH_ARGS="--repeats 1" for a quick look.
 .PHONY: bench
 BENCH_ARGS ?=
-bench: data $(TINY_SD) $(TINY_FLUX)
+bench: data $(TINY_SD) $(TINY_FLUX) $(TINY_Z_IMAGE)
 	$(PY) tests/benchmarks/run_bench.py $(BENCH_ARGS)
 	$(if $(wildcard .gpu-pack/peers/train_dreambooth_lora_flux.py),$(PY) tests/benchmarks/flux_peer.py run,@echo "the \
 	  Flux row needs diffusers' own script: make bench-peers DIFFUSERS_REPO=<a clone of diffusers>")
+	$(if $(wildcard .gpu-pack/peers/train_dreambooth_lora_z_image.py),$(PY) tests/benchmarks/z_image_peer.py run,@echo \
+	  "the Z-Image row needs diffusers' own script: make bench-peers DIFFUSERS_REPO=<a clone of diffusers>")
 
 # diffusers' example scripts, the peers of the Flux row (and of make gpu-evidence), at the pinned diffusers' tag (or
 # the nearest below it), from a clone of its repository, into .gpu-pack/peers (ignored).
