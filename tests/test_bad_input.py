@@ -137,6 +137,8 @@ SAMPLE = [
     case("zero-images", ["--num_images", "0"], "--num_images"),
     case("unknown-scheduler", ["--scheduler", "lms"], "--scheduler", "invalid choice"),
     case("unknown-dtype", ["--dtype", "fp8"], "--dtype"),
+    case("z-image-guidance-flag-on-sd", ["--cfg_truncation", "0.5"], "--cfg_truncation means nothing",
+         "Stable Diffusion 1.x/2.x"),
     case("lora-missing", ["--lora", "{missing}.safetensors"], "no such file or folder"),
     case("lora-not-safetensors", ["--lora", "{not_safetensors}"], "is not a readable .safetensors file"),
     case("output-dir-inside-a-file", ["--output_dir", "{a_file}/samples"], "is a file, not a folder",

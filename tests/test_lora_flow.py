@@ -360,6 +360,8 @@ BAD = {
                            "--resolution 36", "32 or 40", "2 x 2 patches"),
     "z-image-text-encoder-lora": (["--pretrained_model_name_or_path", "{z_image}", "--train_text_encoder"],
                                   "--train_text_encoder", "Z-Image's text encoder"),
+    "z-image-text-encoder-lr": (["--pretrained_model_name_or_path", "{z_image}", "--text_encoder_lr", "1e-5"],
+                                "--text_encoder_lr", "Z-Image's text encoder"),
     "z-image-without-its-text-encoder": (["--pretrained_model_name_or_path", "{z_image_no_text}"],
                                          "not a Z-Image pipeline folder", "tokenizer, text_encoder"),
     "guidance-on-z-image": (["--pretrained_model_name_or_path", "{z_image}", "--guidance_scale", "4"],
