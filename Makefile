@@ -204,6 +204,24 @@ train-lora-masked: data
 	  ARGS="--train_data_dir data/digits-red-ink-blot $(if $(filter no,$(MASKED)),,--masked_loss --mask_data_dir \
 	  data/digits-red-ink-blot-masks) $(ARGS)"
 
+# The edit-LoRA demo (FLUX.1 Kontext's way: common/references.py): each white-on-black digit of data/digits is the
+# reference, the same-named red-ink digit of data/digits-red-ink the target, one instruction for all, naming no digit.
+# On the shipped tiny Flux.1 base drawn as FluxKontextPipeline; then demo/edit_report.py measures, on held-out
+# references (data/digits/test), whether the output keeps the reference's digit and is in red ink, base against
+# LoRA, and draws reference | base | LoRA side by side. ARGS= more flags, OUTPUT= its folder.
+EDIT_OUT = $(or $(OUTPUT),outputs/edit-lora)
+EDIT_PROMPT := "make it red ink on paper"
+.PHONY: train-edit-lora
+train-edit-lora: data
+	$(LAUNCH) $(if $(LAUNCH_ENV),--num_cpu_threads_per_process 1,) train_lora.py --output_dir $(EDIT_OUT) \
+	  --pretrained_model_name_or_path assets/tiny-flux-digits --instance_data_dir data/digits-red-ink/train \
+	  --instance_prompt $(EDIT_PROMPT) --control_data_dir data/digits/train --cache_latents --rank 16 \
+	  --learning_rate 3e-3 --train_batch_size 16 --max_train_steps 600 --caption_dropout_prob 0.1 \
+	  --validation_prompt $(EDIT_PROMPT) --validation_split 0.05 $(ARGS)
+	OMP_NUM_THREADS=2 $(PY) -m demo.edit_report --lora $(EDIT_OUT)
+	@echo "edit LoRA: $(EDIT_OUT)/pytorch_lora_weights.safetensors   reference | base | LoRA: $(EDIT_OUT)/side_by_side.png"
+	@echo "sample it: python sample.py --model $(EDIT_OUT) --image data/digits/test/0021.png --prompt $(EDIT_PROMPT)"
+
 sample-lora: | install
 	OMP_NUM_THREADS=1 $(PY) sample.py --model $(LORA_OUT) $(LORA_PROMPTS) --num_images 4 $(ARGS)
 

@@ -52,6 +52,7 @@ def lora_info(args):
             "train_text_encoder": args.train_text_encoder, "prediction_type": args.prediction_type,
             "max_sequence_length": args.max_sequence_length,  # T5's prompt length: sample.py's default too
             "ema_weights": args.use_ema,  # the weights in pytorch_lora_weights.safetensors are the EMA ones
+            "references": len(args.control_data_dir or args.control_image_column),  # an edit LoRA's reference images
             "trigger": args.instance_prompt or args.caption_prefix.strip(" ,") or None}  # what prompts need to show it
 
 

@@ -17,8 +17,8 @@ from ..cli import UserError, first_line
 # The registry: model_index.json's pipeline class -> the family module that trains and draws it, one line a family.
 # The most specific family first: a LoRA file that names no base is matched against the families in this order.
 # Everything else about a family (its name, denoiser, the names in its LoRA files) is in its own module.
-FAMILIES = {"StableDiffusionXLPipeline": "sdxl", "FluxPipeline": "flux", "StableDiffusion3Pipeline": "sd3",
-            "StableDiffusionPipeline": "sd"}
+FAMILIES = {"StableDiffusionXLPipeline": "sdxl", "FluxPipeline": "flux", "FluxKontextPipeline": "flux",
+            "StableDiffusion3Pipeline": "sd3", "StableDiffusionPipeline": "sd"}
 UNET_PREFIXES = ("unet.", "lora_unet_down_blocks_", "lora_unet_up_blocks_", "lora_unet_mid_block_")
 TRANSFORMER_PREFIXES = ("transformer.", "lora_transformer_")
 
