@@ -242,14 +242,17 @@ test: lint
 
 # Each recipe against a hand-written reference loop, --help latency, sample.py images/s (tests/benchmarks/):
 # one table, and outputs/bench/results.json; then the Flux row against diffusers' own script (flux_peer.py, about
-# 2 min). About 5 min on 2 CPU cores (3 repeats), plus about 5 for lora_buckets and
-# lora_square (aspect-ratio buckets against square crops); BENCH_ARGS="--repeats 1" for a quick look.
+# 2 min) and the FLUX.1 Kontext edit-LoRA row against its script (kontext_peer.py). About 5 min on 2 CPU cores (3
+# repeats), plus about 5 for lora_buckets and lora_square (aspect-ratio buckets against square crops);
+# BENCH_ARGS="--repeats 1" for a quick look.
 .PHONY: bench
 BENCH_ARGS ?=
 bench: data $(TINY_SD) $(TINY_FLUX)
 	$(PY) tests/benchmarks/run_bench.py $(BENCH_ARGS)
 	$(if $(wildcard .gpu-pack/peers/train_dreambooth_lora_flux.py),$(PY) tests/benchmarks/flux_peer.py run,@echo "the \
 	  Flux row needs diffusers' own script: make bench-peers DIFFUSERS_REPO=<a clone of diffusers>")
+	$(if $(wildcard .gpu-pack/peers/train_dreambooth_lora_flux_kontext.py),$(PY) tests/benchmarks/kontext_peer.py \
+	  run,@echo "the Kontext row needs diffusers' own script: make bench-peers DIFFUSERS_REPO=<a clone of diffusers>")
 
 # diffusers' example scripts, the peers of the Flux row (and of make gpu-evidence), at the pinned diffusers' tag (or
 # the nearest below it), from a clone of its repository, into .gpu-pack/peers (ignored).

@@ -10,7 +10,8 @@ objective's flags are refused); frozen weights in fp16/bf16, LoRA in fp32; laten
 embeddings computed once, then the text encoders leave the accelerator; caption dropout, an EMA of the LoRA weights
 (--use_ema: what gets exported), validation images, a held-out loss, resumable checkpoints. Also DreamBooth with prior
 preservation (common/dreambooth.py: class images the base draws once), a loss mask per image (--masked_loss,
-common/loss_masks.py), and LyCORIS's LoHa and LoKr instead of LoRA (--adapter, through peft). Writes
+common/loss_masks.py), edit LoRAs from reference images paired by name (--control_data_dir: FLUX.1 Kontext's way,
+common/references.py, `make train-edit-lora`), and LyCORIS's LoHa and LoKr instead of LoRA (--adapter, peft). Writes
 pytorch_lora_weights.safetensors (`pipe.load_lora_weights(output_dir)`; LoHa/LoKr: peft_adapter_weights.safetensors,
 which sample.py loads through peft), beside it pytorch_lora_weights_kohya.safetensors for ComfyUI, Forge and A1111, a
 model card, and lora_info.json, from which sample.py finds the base model.

@@ -46,11 +46,12 @@ def edit_run(tiny_flux, pairs, tmp_path_factory):
     return out
 
 
-def run_args(base, pairs, out):
-    return ["--pretrained_model_name_or_path", base, "--train_data_dir", pairs / "targets", "--control_data_dir",
-            pairs / "controls", "--output_dir", out, *STEPS, "--validation_prompt", INSTRUCTION, "--validation_steps",
-            "4", "--num_validation_images", "1", "--validation_inference_steps", "2", "--validation_split", "0.2",
-            "--validation_image", pairs / "controls" / reference_name(pairs)]
+def run_args(base, pairs, out, controls=None, validation=True):
+    args = ["--pretrained_model_name_or_path", base, "--train_data_dir", pairs / "targets", "--control_data_dir",
+            controls or pairs / "controls", "--output_dir", out, *STEPS]
+    return args + ["--validation_prompt", INSTRUCTION, "--validation_steps", "4", "--num_validation_images", "1",
+                   "--validation_inference_steps", "2", "--validation_split", "0.2", "--validation_image",
+                   pairs / "controls" / reference_name(pairs)] * validation
 
 
 def reference_name(pairs):
@@ -164,10 +165,8 @@ def test_two_processes_with_missing_references(tiny_flux, pairs, tmp_path):
     shutil.copytree(pairs / "controls", controls)
     for path in sorted(controls.glob("*.png"))[-3:]:
         path.unlink()
-    args = run_args(tiny_flux, pairs, tmp_path / "two")
-    args[args.index("--control_data_dir") + 1] = controls
-    proc = launch("train_lora.py", *args, "--max_train_steps", "2", "--allow_missing_control",
-                  config="cpu_2proc.yaml")
+    proc = launch("train_lora.py", *run_args(tiny_flux, pairs, tmp_path / "two", controls, validation=False),
+                  "--max_train_steps", "2", "--allow_missing_control", config="cpu_2proc.yaml")
     assert "2 process(es)" in proc.stderr and read_results(tmp_path / "two")["num_processes"] == 2
     assert (tmp_path / "two" / "pytorch_lora_weights.safetensors").is_file()
 
@@ -250,7 +249,7 @@ BAD = {
     "a-reference-too-many": ("extra", "--control_data_dir", "with no training image of the same name", "9999.png"),
     "another-aspect-ratio": ("wide", "is 64x32 px", "32x32", "aspect ratios differ"),
     "a-reference-too-small": ("small", "at least 8 px a side"),
-    "an-unreadable-reference": ("broken", "cannot read image", "replace"),
+    "an-unreadable-reference": ("broken", "cannot read reference image", "replace or delete it"),
     "references-on-sd": ("sd", "takes no reference images", "Stable Diffusion 1.x/2.x"),
     "two-references-for-kontext": ("two", "2 reference images", "FluxKontextPipeline takes at most 1"),
     "prior-preservation": ("prior", "--with_prior_preservation", "no reference images"),

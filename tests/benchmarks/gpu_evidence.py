@@ -834,7 +834,8 @@ PINS = {"hjson": "3.1.0"}
 FROM_SOURCE = ("deepspeed",)
 PEERS = ("examples/text_to_image/train_text_to_image_lora.py",
          "examples/text_to_image/train_text_to_image_lora_sdxl.py",
-         "examples/dreambooth/train_dreambooth_lora_flux.py", "examples/dreambooth/train_dreambooth_lora_sd3.py")
+         "examples/dreambooth/train_dreambooth_lora_flux.py", "examples/dreambooth/train_dreambooth_lora_sd3.py",
+         "examples/dreambooth/train_dreambooth_lora_flux_kontext.py")
 
 
 def pinned(requirements, package):
