@@ -347,7 +347,7 @@ def main(args):
                 with accelerator.accumulate(*models):
                     # <domain: the loss>
                     params = batch["latent_params"] if args.cache_latents else encode(batch["pixel_values"])
-                    noised = objective(sample_latents(params, latent_config))  # noisy input, timesteps, target, weights
+                    noised = objective(sample_latents(params, latent_config, args.vae_encode_mode))  # input, target
                     cond = condition(captions.pick(batch["index"], epoch), batch["index"], train_data)
                     model_pred = family.denoise(denoiser, noised.noisy, noised.timesteps, cond, guidance)
                     loss = objective.losses(model_pred, noised).mean()

@@ -382,8 +382,8 @@ class ImageDataset(torch.utils.data.Dataset):
         if self.masks is not None:
             out["mask"] = pixels[..., 3:4, :, :].float().div_(255)
         if self.references is not None:
-            out["reference_values"] = self.normalize(pixels[..., 3 + (self.masks is not None):, :, :].unflatten(-3, (
-                -1, 3)))
+            references = pixels[..., 3 + (self.masks is not None):, :, :]
+            out["reference_values"] = self.normalize(references.unflatten(-3, (-1, 3)))
         return out
 
     def __getitem__(self, index):

@@ -87,12 +87,13 @@ def denormalize(vae_config, latents):
     return unpatchify(latents, patch) if patch else latents
 
 
-def sample_latents(params, vae_config):
-    """Latents drawn from the distribution's parameters (each step afresh, for training), normalized. Contiguous:
-    randn_like draws differ for channels-last tensors."""
+def sample_latents(params, vae_config, mode="sample"):
+    """Latents drawn from the distribution's parameters (each step afresh, for training), normalized; mode "mode":
+    its mean (--vae_encode_mode, diffusers' name). Contiguous: randn_like draws differ for channels-last tensors."""
     from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
 
-    return normalize(vae_config, DiagonalGaussianDistribution(params.float().contiguous()).sample())
+    distribution = DiagonalGaussianDistribution(params.float().contiguous())
+    return normalize(vae_config, distribution.mode() if mode == "mode" else distribution.sample())
 
 
 def mean_latents(params, vae_config):

@@ -101,6 +101,17 @@ def test_the_denoiser_call_is_the_kontext_scripts(tiny_flux):
     assert (ours - plain).abs().max() > 1e-3
 
 
+def test_the_vae_encode_mode_mode_is_the_mean():
+    """--vae_encode_mode mode (the Kontext script's default) trains on the distribution's mean; sample draws around
+    it."""
+    from common.vae import mean_latents, sample_latents
+
+    params = torch.cat([torch.randn(2, 4, 8, 8), torch.full((2, 4, 8, 8), -2.0)], dim=1)
+    config = {"scaling_factor": 0.5, "shift_factor": 0.1}
+    assert torch.equal(sample_latents(params, config, "mode"), mean_latents(params, config))
+    assert not torch.equal(sample_latents(params, config), mean_latents(params, config))
+
+
 def test_an_edit_lora_loads_back_exactly(edit_run, tiny_flux):
     """FluxKontextPipeline.load_lora_weights gives the trained transformer (set from the checkpoint's own adapter
     state) within 1e-5; the validation images show reference | base | LoRA."""
