@@ -220,7 +220,7 @@ train-edit-lora: data
 	  --validation_prompt $(EDIT_PROMPT) --validation_split 0.05 $(ARGS)
 	OMP_NUM_THREADS=2 $(PY) -m demo.edit_report --lora $(EDIT_OUT)
 	@echo "edit LoRA: $(EDIT_OUT)/pytorch_lora_weights.safetensors   reference | base | LoRA: $(EDIT_OUT)/side_by_side.png"
-	@echo "sample it: python sample.py --model $(EDIT_OUT) --image data/digits/test/0021.png --prompt $(EDIT_PROMPT)"
+	@echo 'sample it: python sample.py --model $(EDIT_OUT) --image data/digits/test/0021.png --prompt $(EDIT_PROMPT)'
 
 sample-lora: | install
 	OMP_NUM_THREADS=1 $(PY) sample.py --model $(LORA_OUT) $(LORA_PROMPTS) --num_images 4 $(ARGS)

@@ -36,8 +36,8 @@ def add_reference_args(parser):
     g.add_argument("--control_image_column", action="append", default=[],
                    help="The same from a column of the dataset (repeatable: one column per reference).")
     g.add_argument("--allow_missing_control", action="store_true",
-                   help="A training image without its reference image trains as plain text-to-image (default: an "
-                        "error naming it).")
+                   help="A training image without its reference image trains as plain text-to-image, instead of "
+                        "stopping the run with an error naming it.")
     g.add_argument("--validation_image", action="append", default=[],
                    help="The reference image(s) of the validation prompts (one per reference); default: the first "
                         "held-out image's, else the first training image's. Validation images then show the "
