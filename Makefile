@@ -237,6 +237,24 @@ train-lora-masked: data
 	  ARGS="--train_data_dir data/digits-red-ink-blot $(if $(filter no,$(MASKED)),,--masked_loss --mask_data_dir \
 	  data/digits-red-ink-blot-masks) $(ARGS)"
 
+# The edit-LoRA demo (FLUX.1 Kontext's way: common/references.py): each white-on-black digit of data/digits is the
+# reference, the same-named red-ink digit of data/digits-red-ink the target, one instruction for all, naming no digit.
+# On the shipped tiny Flux.1 base drawn as FluxKontextPipeline; then demo/edit_report.py measures, on held-out
+# references (data/digits/test), whether the output keeps the reference's digit and is in red ink, base against
+# LoRA, and draws reference | base | LoRA side by side. ARGS= more flags, OUTPUT= its folder.
+EDIT_OUT = $(or $(OUTPUT),outputs/edit-lora)
+EDIT_PROMPT := "make it red ink on paper"
+.PHONY: train-edit-lora
+train-edit-lora: data
+	$(LAUNCH) $(if $(LAUNCH_ENV),--num_cpu_threads_per_process 1,) train_lora.py --output_dir $(EDIT_OUT) \
+	  --pretrained_model_name_or_path assets/tiny-flux-digits --instance_data_dir data/digits-red-ink/train \
+	  --instance_prompt $(EDIT_PROMPT) --control_data_dir data/digits/train --cache_latents --rank 16 \
+	  --learning_rate 3e-3 --train_batch_size 16 --max_train_steps 600 --caption_dropout_prob 0.1 \
+	  --validation_prompt $(EDIT_PROMPT) --validation_split 0.05 $(ARGS)
+	OMP_NUM_THREADS=2 $(PY) -m demo.edit_report --lora $(EDIT_OUT)
+	@echo "edit LoRA: $(EDIT_OUT)/pytorch_lora_weights.safetensors   reference | base | LoRA: $(EDIT_OUT)/side_by_side.png"
+	@echo 'sample it: python sample.py --model $(EDIT_OUT) --image data/digits/test/0021.png --prompt $(EDIT_PROMPT)'
+
 sample-lora: | install
 	OMP_NUM_THREADS=1 $(PY) sample.py --model $(LORA_OUT) $(LORA_PROMPTS) --num_images 4 $(ARGS)
 
@@ -256,8 +274,9 @@ test: lint
 	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup tests $(ARGS)
 
 # Each recipe against a hand-written reference loop, --help latency, sample.py images/s (tests/benchmarks/):
-# one table, and outputs/bench/results.json; then the Flux.1, Qwen-Image, FLUX.2 klein and Z-Image rows against
-# diffusers' own scripts (flux_peer.py, qwen_image_peer.py, flux2_klein_peer.py, z_image_peer.py, minutes each). About 5 min on 2 CPU cores (3 repeats), plus about 5 for
+# one table, and outputs/bench/results.json; then the Flux.1, Qwen-Image, FLUX.2 klein, Z-Image and FLUX.1 Kontext
+# (edit LoRA) rows against diffusers' own scripts (flux_peer.py, qwen_image_peer.py, flux2_klein_peer.py,
+# z_image_peer.py, kontext_peer.py; minutes each). About 5 min on 2 CPU cores (3 repeats), plus about 5 for
 # lora_buckets and lora_square (aspect-ratio buckets against square crops); BENCH_ARGS="--repeats 1" for a quick look.
 .PHONY: bench
 BENCH_ARGS ?=
@@ -271,6 +290,8 @@ bench: data $(TINY_SD) $(TINY_FLUX) $(TINY_QWEN_IMAGE) $(TINY_FLUX2_KLEIN) $(TIN
 	  run,@echo "the FLUX.2 klein row needs diffusers' own script: make bench-peers DIFFUSERS_REPO=<a clone of diffusers>")
 	$(if $(wildcard .gpu-pack/peers/train_dreambooth_lora_z_image.py),$(PY) tests/benchmarks/z_image_peer.py run,@echo \
 	  "the Z-Image row needs diffusers' own script: make bench-peers DIFFUSERS_REPO=<a clone of diffusers>")
+	$(if $(wildcard .gpu-pack/peers/train_dreambooth_lora_flux_kontext.py),$(PY) tests/benchmarks/kontext_peer.py \
+	  run,@echo "the Kontext row needs diffusers' own script: make bench-peers DIFFUSERS_REPO=<a clone of diffusers>")
 
 # diffusers' example scripts, the peers of the Flux row (and of make gpu-evidence), at the pinned diffusers' tag (or
 # the nearest below it), from a clone of its repository, into .gpu-pack/peers (ignored).

@@ -16,10 +16,13 @@ of common/families/ (SD 1.x/2.x, SDXL, SD3, Flux.1, Qwen-Image, Z-Image), each t
         --device cuda --dtype fp16
     python sample.py --model black-forest-labs/FLUX.1-dev --lora outputs/lora-flux --prompt "..." --device cuda \
         --dtype bf16 --height 1024 --width 1024
+An edit LoRA (train_lora.py --control_data_dir) from a reference image, with its family's edit pipeline (Flux.1:
+FluxKontextPipeline), at the reference's aspect ratio unless --height/--width say otherwise:
+    python sample.py --model outputs/edit-lora --image ref.png --prompt "make it red ink on paper"
 
 A copy also needs the module of its base's family, one of common/families/*.py (sd.py for Stable Diffusion 1.x/2.x;
 FLUX.2 dev: flux2.py with flux2_klein.py).
-Copy with: common/__init__.py, common/args.py, common/base_models.py, common/cli.py, common/deepspeed_engine.py, common/diffusion.py, common/drawing.py, common/families/__init__.py, common/lora_files.py, common/objectives.py, common/pipelines.py, common/prompts.py, common/sampling_defaults.py, common/sgm_names.py, common/ui_lora.py, common/vae.py
+Copy with: common/__init__.py, common/args.py, common/base_models.py, common/buckets.py, common/caption_files.py, common/cli.py, common/deepspeed_engine.py, common/diffusion.py, common/drawing.py, common/families/__init__.py, common/image_data.py, common/lora_files.py, common/loss_masks.py, common/objectives.py, common/pipelines.py, common/prompts.py, common/references.py, common/sampling_defaults.py, common/sgm_names.py, common/ui_lora.py, common/vae.py
 """  # noqa: E501 (the copy list stays one line, for grep)
 import json
 import os
@@ -37,6 +40,7 @@ from common.args import (
 from common.cli import UserError, first_line, one_line, quiet_loading_bars, run
 from common.diffusion import DEFAULT_SCHEDULER, FLOW_SCHEDULER_CLASSES, SCHEDULER_CLASSES
 from common.pipelines import class_label_ids, model_kind, read_labels
+from common.references import check_family_references, check_references, open_images, reference_size
 
 
 def parse_args(argv=None):
@@ -74,9 +78,12 @@ def parse_args(argv=None):
     parser.add_argument("--negative_prompt", default=None, help="SD 1.x/2.x, SDXL, SD3, Qwen-Image and Z-Image.")
     parser.add_argument("--lora", action="append", default=[],
                         help="PATH[:SCALE], repeatable; made for the base's family (SD 1.x/2.x, SDXL, SD3, Flux.1, "
-                             "Qwen-Image, Z-Image). A train_lora.py LoHa or LoKr (its folder or "
+                             "FLUX.2, Qwen-Image, Z-Image). A train_lora.py LoHa or LoKr (its folder or "
                              "peft_adapter_weights.safetensors) loads through peft, as diffusers' load_lora_weights "
                              "cannot read it.")
+    parser.add_argument("--image", action="append", default=[],
+                        help="A reference image to edit (repeatable, as many as the base takes): draws with the "
+                             "family's edit pipeline (Flux.1: FluxKontextPipeline, one image).")
     parser.add_argument("--lora_scale", type=float, nargs="+", default=[1.0],
                         help="Multiplies every LoRA's scale; several values (e.g. 0 0.5 1) draw every prompt and "
                              "seed at each, a grid row per scale and prompt (0: the base alone).")
@@ -125,9 +132,9 @@ def save_images(images, params, output_dir, ncol):
 
 def sample_ddpm(args):
     """A train_ddpm.py output or checkpoint-N: unet_ema/ (unless --no_ema) or unet/, scheduler/, labels.json."""
-    if args.prompt or args.lora:
-        raise UserError(f"--prompt/--lora are for text-to-image models; '{args.model}' is a train_ddpm.py model "
-                        "(use --class_label)")
+    if args.prompt or args.lora or args.image:
+        raise UserError(f"--prompt/--lora/--image are for text-to-image models; '{args.model}' is a train_ddpm.py "
+                        "model (use --class_label)")
     if args.height or args.width:
         raise UserError(f"--height/--width are for text-to-image models; '{args.model}' is a train_ddpm.py model, "
                         "which samples at the size it was trained at")
@@ -231,6 +238,7 @@ def sample_pipeline(args):
                         "pipeline")
     if not args.prompt:
         raise UserError("give at least one --prompt (repeatable) for a text-to-image model")
+    references = open_images(args.image, "--image") if args.image else None  # (edit LoRAs)
     loras = [parse_lora(spec) for spec in args.lora]
     info = read_lora_info(args.model) if os.path.isdir(args.model) else None
     base = info["base_model"] if info else args.model
@@ -280,7 +288,8 @@ def sample_pipeline(args):
             check_lora_base("--lora", path, *local[path], base, family.KEY)
     device, dtype = device_and_dtype(args.device, args.dtype)
     dropped = (family.OPTIONAL_COMPONENTS or ()) if args.drop_t5 else ()
-    pipe = load_pipeline(family, base, "--model", dtype, drop=dropped, **base_version)  # (its VAE in fp32)
+    pipe = load_pipeline(family, base, "--model", dtype, drop=dropped, edit=bool(references),  # (its VAE in fp32)
+                         **base_version)
     if info and info.get("prediction_type"):  # the LoRA was trained to predict something else than its base
         pipe.scheduler.register_to_config(prediction_type=info["prediction_type"])
     pipe.scheduler = sampling_scheduler(args.scheduler or family.SAMPLER, pipe.scheduler.config, family.SAMPLERS)
@@ -321,25 +330,30 @@ def sample_pipeline(args):
     extra = {flag: getattr(args, flag) for flag in family.SAMPLE_FLAGS if flag != "drop_t5"}
     common = {"model": args.model, "base_model": base, "lora": ",".join(f"{p}:{s:g}" for p, s in loras),
               "scheduler": args.scheduler or family.SAMPLER, "num_inference_steps": steps,
-              "guidance_scale": guidance, **{k: DEFAULTS.get(k) if v is None else v for k, v in extra.items()}}
+              "guidance_scale": guidance, **{k: DEFAULTS.get(k) if v is None else v for k, v in extra.items()},
+              **({"image": ",".join(args.image)} if references else {})}
     images, params = [], []
     for lora_scale in args.lora_scale if names else [1.0]:
         if names:
             pipe.set_adapters(names, adapter_weights=[lora_scale * scale for _, scale in loras])
         scale = {"lora_scale": lora_scale} if names else {}
         images, params = draw(pipe, family, args, images, params, {**common, **scale}, steps, guidance, extra,
-                              (defaults["height"], defaults["width"]))
+                              (defaults["height"], defaults["width"]), references)
     return save_images(images, params, output_dir(args), args.num_images)
 
 
 def check_sample_flags(args, family, base, flag):
     """One line for a flag that the family's pipeline does not take, and for a local folder that misses a component
     (SD3's T5 without --drop_t5)."""
-    from common.base_models import check_components
+    from common.base_models import check_components, component_configs
 
     for name in FAMILY_FLAGS:
         if getattr(args, name) not in (None, False) and name not in family.SAMPLE_FLAGS:
             raise UserError(f"--{name} means nothing for a {family.NAME} base ({base}): leave it out")
+    check_family_references(family, len(args.image), "--image", base)  # as many as its edit pipeline takes
+    if args.image:  # each at least what the edit pipeline packs into one token
+        factor = family.resolution_factor(component_configs(base, ("vae", family.DENOISER), flag=flag))
+        check_references(open_images(args.image, "--image"), args.image, "--image", family, factor)
     if args.scheduler and args.scheduler not in family.SAMPLERS:
         raise UserError(f"--scheduler {args.scheduler}: {family.NAME} bases sample with "
                         f"{', '.join(sorted(family.SAMPLERS))}")
@@ -347,15 +361,18 @@ def check_sample_flags(args, family, base, flag):
         check_components(base, flag, family, args.drop_t5, to="draw")
 
 
-def draw(pipe, family, args, images, params, common, steps, guidance, extra, size):
-    """Every prompt x --num_images seeds, in batches; appends to images and params. size: the default (height,
-    width), None for the family's sample size."""
+def draw(pipe, family, args, images, params, common, steps, guidance, extra, size, references=None):
+    """Every prompt x --num_images seeds, in batches (from `references`, PIL images, with the edit pipeline);
+    appends to images and params. size: the default (height, width), None for the family's sample size."""
     from common.drawing import draw_images
 
     configs = {"vae": pipe.vae.config, family.DENOISER: getattr(pipe, family.DENOISER).config}
     factor = family.resolution_factor(configs)  # the pipeline would refuse, or change, another size
     default_height, default_width = family.sample_size(pipe)
-    height, width = args.height or size[0] or default_height, args.width or size[1] or default_width
+    default_height, default_width = size[0] or default_height, size[1] or default_width
+    if references:  # at the reference's aspect ratio
+        default_height, default_width = reference_size(references[0], default_height, default_width, factor)
+    height, width = args.height or default_height, args.width or default_width
     for flag, value in (("--height", height), ("--width", width)):
         if value % factor:
             near = sorted({max(factor, value // factor * factor), (value // factor + 1) * factor})
@@ -369,6 +386,7 @@ def draw(pipe, family, args, images, params, common, steps, guidance, extra, siz
             raise UserError(f"--clip_skip {args.clip_skip}: the text encoder of this base has {layers} layers; give "
                             f"at most {most}")
     kwargs = {k: v for k, v in extra.items() if v is not None and k != "negative_prompt"}
+    kwargs.update(family.reference_kwargs(references, height, width) if references else {})
     jobs = [(prompt, j) for prompt in args.prompt for j in range(args.num_images)]
     first = len(images)
     for start in range(0, len(jobs), args.batch_size):

@@ -11,7 +11,8 @@ objective's flags are refused); frozen weights in fp16/bf16, LoRA in fp32; laten
 embeddings computed once, then the text encoders leave the accelerator; caption dropout, an EMA of the LoRA weights
 (--use_ema: what gets exported), validation images, a held-out loss, resumable checkpoints. Also DreamBooth with prior
 preservation (common/dreambooth.py: class images the base draws once), a loss mask per image (--masked_loss,
-common/loss_masks.py), and LyCORIS's LoHa and LoKr instead of LoRA (--adapter, through peft). Writes
+common/loss_masks.py), edit LoRAs from reference images paired by name (--control_data_dir: FLUX.1 Kontext's way,
+common/references.py, `make train-edit-lora`), and LyCORIS's LoHa and LoKr instead of LoRA (--adapter, peft). Writes
 pytorch_lora_weights.safetensors (`pipe.load_lora_weights(output_dir)`; LoHa/LoKr: peft_adapter_weights.safetensors,
 which sample.py loads through peft), beside it pytorch_lora_weights_ui.safetensors for ComfyUI, Forge and A1111, a
 model card, and lora_info.json, from which sample.py finds the base model.
@@ -49,7 +50,7 @@ Then:  python sample.py --model outputs/lora-naruto --prompt "a girl with pink h
 
 A copy also needs the module of its base's family, one of common/families/*.py (sd.py for Stable Diffusion 1.x/2.x;
 FLUX.2 dev: flux2.py with flux2_klein.py).
-Copy with: common/__init__.py, common/args.py, common/base_models.py, common/block_swap.py, common/buckets.py, common/caption_files.py, common/checkpoints.py, common/cli.py, common/deepspeed_engine.py, common/diffusion.py, common/distributed.py, common/drawing.py, common/dreambooth.py, common/families/__init__.py, common/float8_base.py, common/fsdp.py, common/image_data.py, common/lora_adapters.py, common/lora_files.py, common/lora_metadata.py, common/loss_masks.py, common/objectives.py, common/optimizers.py, common/preemption.py, common/prompts.py, common/reporting.py, common/sampling_defaults.py, common/sgm_names.py, common/training.py, common/ui_lora.py, common/vae.py, common/validation_images.py, common/validation_loss.py
+Copy with: common/__init__.py, common/args.py, common/base_models.py, common/block_swap.py, common/buckets.py, common/caption_files.py, common/checkpoints.py, common/cli.py, common/deepspeed_engine.py, common/diffusion.py, common/distributed.py, common/drawing.py, common/dreambooth.py, common/families/__init__.py, common/float8_base.py, common/fsdp.py, common/image_data.py, common/lora_adapters.py, common/lora_files.py, common/lora_metadata.py, common/loss_masks.py, common/objectives.py, common/optimizers.py, common/preemption.py, common/prompts.py, common/references.py, common/reporting.py, common/sampling_defaults.py, common/sgm_names.py, common/training.py, common/ui_lora.py, common/vae.py, common/validation_images.py, common/validation_loss.py
 """  # noqa: E501 (the copy list stays one line, for grep)
 import math
 import os
@@ -83,6 +84,7 @@ from common.lora_files import LORA_EMA_STATE, lora_info
 from common.loss_masks import base_prediction, check_mask_args, latent_mask, masked_prior_losses
 from common.objectives import add_objective_args
 from common.optimizers import OPTIMIZERS, add_optimizer_args, check_optimizer_args
+from common.references import add_reference_args, check_reference_args
 from common.training import add_ema_args, check_resumed_ema, ema_weights
 from common.validation_images import add_validation_image_args
 
@@ -94,6 +96,7 @@ def parse_args(argv=None):
     add_latent_cache_args(g)
     add_bucket_args(g)
     add_mask_args(g)
+    add_reference_args(parser)  # edit LoRAs: --control_data_dir (common/references.py)
     add_dreambooth_args(parser)
     g = parser.add_argument_group("model")
     add_base_model_args(g, SHIPPED_BASE)
@@ -142,6 +145,7 @@ def parse_args(argv=None):
     args.lora_alpha = args.lora_alpha or args.rank
     check_bucket_args(args)
     check_mask_args(args)  # --masked_loss: each image's mask file (or alpha channel)
+    check_reference_args(args, family)  # each training image's reference images, by name
     if args.buckets == "auto" and family:  # a hub base: once loaded
         check_bucket_resolution(args.resolution, size_factor(args.pretrained_model_name_or_path, family))
     check_lora_args(args, family)  # (a hub base: its family's defaults in main)
@@ -203,6 +207,7 @@ def main(args):
     from common.dreambooth import PriorLoss, class_images, instance_reader, prior_batching, with_class_images
     from common.families import load_family, read_model_index
     from common.image_data import CachedLatents, Captions, collate_batch, image_datasets, require_columns
+    from common.references import paired_references
     from common.validation_images import check_validation_image_args
     from common.validation_loss import HeldOutLoss, load_with_validation
 
@@ -223,6 +228,7 @@ def main(args):
     read_folder = instance_reader(args) if args.instance_data_dir else caption_folder_reader(args)
     train_ds, held_out_ds = load_with_validation(args, read_folder=read_folder)
     require_columns(train_ds, image_column=args.image_column, caption_column=args.caption_column)
+    refs, held_out_ds = paired_references(args, family, train_ds, held_out_ds)  # (edit LoRAs) held out: with theirs
     n_instance = len(train_ds)
     if args.with_prior_preservation:  # DreamBooth: class images (the base draws the missing ones) after the instances
         class_paths = class_images(args, accelerator, family, weight_dtype, logger)
@@ -237,7 +243,7 @@ def main(args):
         logger.info(f"aspect-ratio buckets at {args.resolution} px:\n{table}")
     with accelerator.main_process_first():  # (SDXL: each image's original size too, for its time ids)
         train_data, held_out = image_datasets(args, train_ds, held_out_ds, sizes, held_out_sizes, family.TIME_IDS,
-                                              masked_rows=n_instance)  # (class images: no masks)
+                                              masked_rows=n_instance, references=refs.rows)  # (class images: no mask)
     # </domain>
 
     # 3. Model: the base frozen in the weight dtype (the VAE in fp32: fp16 decodes overflow), LoRA adapters in fp32.
@@ -302,7 +308,7 @@ def main(args):
     held_out_loss = None if held_out is None else HeldOutLoss(  # keyed by image: SDXL's time ids are the image's
         held_out, encode, latent_config, list(range(len(held_out))), objective, accelerator, args.seed,
         args.train_batch_size)
-    loader_batches = batching(sizes, args.train_batch_size, args.seed, train_data)  # one bucket each with --buckets
+    loader_batches = batching(refs.batch_keys(sizes), args.train_batch_size, args.seed, train_data)  # by bucket
     prior = None  # DreamBooth: each batch instance images, then as many class images; the loss in two parts
     if args.with_prior_preservation:
         loader_batches = prior_batching(n_instance, len(train_ds) - n_instance, args.train_batch_size, args.seed,
@@ -413,12 +419,14 @@ def main(args):
         with ema_weights(ema, ema_params):
             if held_out_loss is not None:
                 held_out_loss.log(step, model, lambda x, t, cond: family.denoise(model, x, t, cond, guidance),
-                                  lambda ids: condition(captions.held_out_ids[ids], ids, held_out))
+                                  lambda ids: {**condition(captions.held_out_ids[ids], ids, held_out),
+                                               **refs.held_out(ids, held_out, encode, latent_config)})
             if not (images and args.validation_prompt):
                 return []
             pipe_parts = {**{k: v for k, v in parts.items() if k != "scheduler"}, **full}
             return validation_images(args, accelerator, family, pipe_parts, noise_scheduler, step,
-                                     sizes=validation_sizes(sizes, args.resolution), embeddings=condition.cached())
+                                     sizes=validation_sizes(sizes, args.resolution), embeddings=condition.cached(),
+                                     references=refs.validation)  # (edit LoRAs: reference | base | LoRA)
 
     validating = held_out_loss is not None or args.validation_prompt
     if held_out_loss is not None and global_step == 0:
@@ -437,8 +445,9 @@ def main(args):
                 with accelerator.accumulate(*models):
                     # <domain: the loss>
                     params = batch["latent_params"] if args.cache_latents else encode(batch["pixel_values"])
-                    noised = objective(sample_latents(params, latent_config))  # noisy input, timesteps, target, weights
+                    noised = objective(sample_latents(params, latent_config, args.vae_encode_mode))  # input, target
                     cond = condition(captions.pick(batch["index"], epoch), batch["index"], train_data)
+                    cond.update(refs(batch, encode, latent_config))  # edit LoRAs: the reference images' latents
                     model_pred = family.denoise(denoiser, noised.noisy, noised.timesteps, cond, guidance)
                     mask = latent_mask(batch.get("mask"), model_pred)  # --masked_loss: on the latent grid
                     losses = objective.losses(model_pred, noised, mask)  # per image

@@ -311,6 +311,9 @@ def add_latent_cache_args(group):
                             "(default: a quarter of --train_batch_size, at least 1: at full resolution an image's "
                             "encode can take more memory than a training sample's step, e.g. with "
                             "--gradient_checkpointing).")
+    group.add_argument("--vae_encode_mode", default="sample", choices=["sample", "mode"],
+                       help="The training latent: drawn from the VAE's distribution at every step, or its mode (its "
+                            "mean: what diffusers' Kontext and FLUX.2 img2img scripts train on).")
 
 
 def check_bucket_args(args):

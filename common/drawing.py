@@ -3,10 +3,11 @@ fp32, one generator per image (so an image does not depend on the batch it is dr
 train_lora.py draws DreamBooth's class images with it too."""
 
 
-def load_pipeline(family, base, flag, dtype, drop=(), **source):
-    """The family's pipeline from `base` in `dtype`, its VAE in fp32 whatever `dtype` says (an fp16 VAE decodes into
-    black images, SDXL's above all); `drop`: components left out (None); source: revision, variant, cache_dir. A base
-    that does not load: one line naming `flag`."""
+def load_pipeline(family, base, flag, dtype, drop=(), edit=False, **source):
+    """The family's pipeline from `base` in `dtype` (`edit`: its edit pipeline, which draws from reference images),
+    its VAE in fp32 whatever `dtype` says (an fp16 VAE decodes into black images, SDXL's above all); `drop`:
+    components left out (None); source: revision, variant, cache_dir. A base that does not load: one line naming
+    `flag`."""
     import diffusers
     import torch
 
@@ -15,8 +16,8 @@ def load_pipeline(family, base, flag, dtype, drop=(), **source):
     try:
         vae_class = getattr(diffusers, family.COMPONENTS["vae"][1])
         vae = vae_class.from_pretrained(base, subfolder="vae", dtype=torch.float32, **source)
-        return getattr(diffusers, family.PIPELINE).from_pretrained(base, vae=vae, dtype=dtype, **source,
-                                                                   **{name: None for name in drop})
+        pipeline = getattr(diffusers, family.EDIT_PIPELINE if edit else family.PIPELINE)
+        return pipeline.from_pretrained(base, vae=vae, dtype=dtype, **source, **{name: None for name in drop})
     except (OSError, ValueError) as err:
         raise load_error(flag, base, err) from None
 

@@ -129,19 +129,28 @@ def _open(value):
     return image
 
 
-def decode_image(value, resolution, index=None, mask=None):
+def decode_image(value, resolution, index=None, mask=None, references=()):
     """A datasets Image value -> uint8 tensor [3, H, W]: with an int `resolution` min(H, W) == resolution; with a
     (height, width) bucket, resized to cover it and center-cropped to it. A file that PIL cannot decode
     (corrupt, truncated, not an image, an unconvertible mode) is a one-line error naming it and what to do.
     mask: the image's loss mask ("alpha", "ones" or a mask file: mask_image), resized and cropped alike as a fourth
-    channel: [4, H, W]."""
+    channel: [4, H, W]. references: its reference images' values (common/references.py; None: missing, zeros),
+    each stretched to the image's size and resized alike, three channels each after those."""
     with readable(value, index):
         image = _open(value)
         resize = resize_shorter_side if isinstance(resolution, int) else resize_to_bucket
-        pixels = resize(image, resolution)
-        if mask is None:
-            return pixels
-        return torch.cat([pixels, resize(mask_image(image, mask, image_name(value, index)), resolution)[:1]])
+        channels = [resize(image, resolution)]
+        if mask is not None:
+            channels.append(resize(mask_image(image, mask, image_name(value, index)), resolution)[:1])
+    for reference in references:
+        if reference is None:
+            channels.append(torch.zeros_like(channels[0]))
+            continue
+        with readable(reference):
+            control = to_rgb(_open(reference))
+        channels.append(resize(control if control.size == image.size else control.resize(image.size, Image.BILINEAR),
+                               resolution))
+    return torch.cat(channels) if len(channels) > 1 else channels[0]
 
 
 def has_alpha(image):
@@ -259,11 +268,13 @@ class ImageDataset(torch.utils.data.Dataset):
     masks (--masked_loss): items get "mask", float [1, R, R] in [0, 1], cropped and flipped with the pixels: None (no
     masks), "alpha" (each image's alpha channel), "ones" (all ones: a dataset that has no masks, e.g. DreamBooth's
     class images, beside one that has), or a list of mask files, one per image (common/loss_masks.py).
+    references (edit LoRAs): each image's reference images' values (common/references.py): items get
+    "reference_values", float [k, 3, R, R] normalized, cropped and flipped with the pixels.
     """
 
     def __init__(self, dataset, image_column, resolution, center_crop=True, random_flip=False,
                  mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5), columns=None, seed=0, cache_limit_gb=4.0, sizes=None,
-                 original_sizes=None, masks=None):
+                 original_sizes=None, masks=None, references=None):
         import datasets
 
         self.images = dataset.cast_column(image_column, datasets.Image(decode=False))[image_column]
@@ -274,9 +285,10 @@ class ImageDataset(torch.utils.data.Dataset):
         self.scale = 1 / (torch.tensor(std, dtype=torch.float32).view(3, 1, 1) * 255)
         self.shift = -torch.tensor(mean, dtype=torch.float32).view(3, 1, 1) / torch.tensor(std).view(3, 1, 1)
         self.seed, self.epoch = seed, 0
-        self.masks = masks
+        self.masks, self.references = masks, references
         self.cache = None
-        if len(self.images) * (3 + (masks is not None)) * resolution * resolution <= cache_limit_gb * 2**30:
+        channels = 3 + (masks is not None) + 3 * len(references[0] if references else ())
+        if len(self.images) * channels * resolution * resolution <= cache_limit_gb * 2**30:
             values = self.images[:]  # the whole column in one read (row by row is far slower)
             self.cache = stack_if_uniform([self._decode(i, value) for i, value in enumerate(values)])
 
@@ -293,7 +305,8 @@ class ImageDataset(torch.utils.data.Dataset):
 
     def _decode(self, index, value=None):
         value = self.images[index] if value is None else value
-        return decode_image(value, self.target(index), index, self.mask_source(index))
+        return decode_image(value, self.target(index), index, self.mask_source(index),
+                            self.references[index] if self.references else ())
 
     def set_epoch(self, epoch):
         self.epoch = epoch
@@ -364,10 +377,13 @@ class ImageDataset(torch.utils.data.Dataset):
 
     def pixels_and_mask(self, pixels):
         """uint8 [..., 3 or 4, H, W] -> {"pixel_values": normalized} and, with masks, "mask": [..., 1, H, W] in
-        [0, 1]."""
+        [0, 1]; with references, "reference_values": [..., k, 3, H, W] normalized (the channels after those)."""
         out = {"pixel_values": self.normalize(pixels[..., :3, :, :])}
         if self.masks is not None:
-            out["mask"] = pixels[..., 3:, :, :].float().div_(255)
+            out["mask"] = pixels[..., 3:4, :, :].float().div_(255)
+        if self.references is not None:
+            references = pixels[..., 3 + (self.masks is not None):, :, :]
+            out["reference_values"] = self.normalize(references.unflatten(-3, (-1, 3)))
         return out
 
     def __getitem__(self, index):
@@ -422,7 +438,8 @@ class CachedLatents:
     Items {"latent_params", "index"}; the flip of each item is drawn exactly as ImageDataset draws it (same seed,
     epoch and index), so a cached run sees the same data as an uncached one. encode(pixels) -> parameters; images
     are encoded `batch_size` at a time, a bucket at a time. With masks, "mask" too: each view's mask averaged down to
-    its latent grid (common/loss_masks.py: latent_mask), cached with its latent.
+    its latent grid (common/loss_masks.py: latent_mask), cached with its latent. With references (edit LoRAs),
+    "reference_latents" too: each view's reference images' latent means [k, C, h, w] (common/references.py).
     """
 
     def __init__(self, images, encode, batch_size):
@@ -434,7 +451,7 @@ class CachedLatents:
         groups = {}
         for i in range(len(images)):
             groups.setdefault(images.crop_size(i), []).append(i)
-        params, masks = [None] * len(images), [None] * len(images)
+        params, masks, references = [None] * len(images), [None] * len(images), [None] * len(images)
         for members in groups.values():
             for start in range(0, len(members), batch_size):
                 chunk = members[start:start + batch_size]
@@ -455,9 +472,21 @@ class CachedLatents:
                     grid = torch.stack([latent_mask(v, latents[:, 0]).cpu() for v in views], dim=1)
                     for n, i in enumerate(chunk):
                         masks[i] = grid[n]
-        # [N, views, 2 * latent channels, h, w] when every image has one size, else a list (buckets); masks alike
-        self.params = torch.stack(params) if len(groups) == 1 else params
-        self.masks = None if images.masks is None else torch.stack(masks) if len(groups) == 1 else masks
+                if images.references is not None:  # each view's references' latent means
+                    pixels = unflipped("reference_values")
+                    views = [pixels, pixels.flip(-1)] if images.random_flip else [pixels]
+                    means = torch.stack([reference_means(encode, v).cpu() for v in views], dim=1)
+                    for n, i in enumerate(chunk):
+                        references[i] = means[n]
+        # [N, views, 2 * latent channels, h, w] when every image has one size, else a list (buckets); masks and
+        # references alike
+
+        def stacked(values, present):
+            return None if not present else torch.stack(values) if len(groups) == 1 else values
+
+        self.params = stacked(params, True)
+        self.masks = stacked(masks, images.masks is not None)
+        self.references = stacked(references, images.references is not None)
         images.cache = None  # the decoded images are not needed any more
 
     def set_epoch(self, epoch):
@@ -486,6 +515,8 @@ class CachedLatents:
         item = {"latent_params": self.params[index][view], "index": index}
         if self.masks is not None:
             item["mask"] = self.masks[index][view]
+        if self.references is not None:
+            item["reference_latents"] = self.references[index][view]
         return item
 
     def __getitems__(self, indices):
@@ -494,12 +525,19 @@ class CachedLatents:
 
         index, views = torch.as_tensor(indices), self.views(indices)
         batch = {"index": index}
-        for name, cached in (("latent_params", self.params), ("mask", self.masks)):
+        for name, cached in (("latent_params", self.params), ("mask", self.masks),
+                             ("reference_latents", self.references)):
             if isinstance(cached, torch.Tensor):
                 batch[name] = cached[index, views]
             elif cached is not None:
                 batch[name] = torch.stack([cached[i][v] for i, v in zip(indices, views.tolist())])
         return batch
+
+
+def reference_means(encode, pixels):
+    """Reference pixels [B, k, 3, H, W] -> the means of their latent distributions [B, k, C, h, w] (encode(pixels) ->
+    the parameters, mean and log-variance)."""
+    return torch.stack([encode(pixels[:, j]).chunk(2, dim=1)[0] for j in range(pixels.shape[1])], dim=1)
 
 
 def caption_lists(values, column, prefix=""):
@@ -514,22 +552,24 @@ def caption_lists(values, column, prefix=""):
     return lists
 
 
-def image_datasets(args, train_ds, held_out_ds, sizes=None, held_out_sizes=None, time_ids=False, masked_rows=None):
+def image_datasets(args, train_ds, held_out_ds, sizes=None, held_out_sizes=None, time_ids=False, masked_rows=None,
+                   references=(None, None)):
     """The ImageDatasets of a text-to-image run: the training images (--center_crop or random crops, --random_flip,
     each image's index as a column), the held-out ones (center crops, no flips) or None; `sizes`/`held_out_sizes`:
     each image's bucket (--buckets auto); `time_ids`: each image's original size kept, for SDXL's time ids; with
     --masked_loss each image's mask (common/loss_masks.py), the held-out images' too; `masked_rows`: only the first
-    training rows have masks (DreamBooth's class images after them train everywhere)."""
+    training rows have masks (DreamBooth's class images after them train everywhere); `references`: each training
+    and held-out image's reference images (edit LoRAs: common/references.py's References.rows)."""
     def originals(dataset):
         return image_sizes(dataset, args.image_column)[0] if time_ids else None
 
     train = ImageDataset(train_ds, args.image_column, args.resolution, center_crop=args.center_crop,
                          random_flip=args.random_flip, columns={"index": torch.arange(len(train_ds))}, seed=args.seed,
                          sizes=sizes, original_sizes=originals(train_ds),
-                         masks=dataset_masks(args, train_ds, masked_rows))
+                         masks=dataset_masks(args, train_ds, masked_rows), references=references[0])
     held_out = None if held_out_ds is None else ImageDataset(
         held_out_ds, args.image_column, args.resolution, center_crop=True, seed=args.seed, sizes=held_out_sizes,
-        original_sizes=originals(held_out_ds), masks=dataset_masks(args, held_out_ds))
+        original_sizes=originals(held_out_ds), masks=dataset_masks(args, held_out_ds), references=references[1])
     return train, held_out
 
 

@@ -90,14 +90,16 @@ def denormalize(vae_config, latents):
     return unpatchify(latents, patch) if patch else latents
 
 
-def sample_latents(params, vae_config):
-    """Latents drawn from the distribution's parameters (each step afresh, for training), normalized; its mode (the
-    mean) instead when the family's latent_config says `latent_mode` (diffusers' Z-Image script trains on it).
-    Contiguous: randn_like draws differ for channels-last tensors."""
+def sample_latents(params, vae_config, mode="sample"):
+    """Latents drawn from the distribution's parameters (each step afresh, for training), normalized; mode "mode":
+    its mean (--vae_encode_mode, diffusers' name), as also when the family's latent_config says `latent_mode`
+    (diffusers' Z-Image and FLUX.2 scripts train on it). Contiguous: randn_like draws differ for channels-last
+    tensors."""
     from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
 
     distribution = DiagonalGaussianDistribution(params.float().contiguous())
-    return normalize(vae_config, distribution.mode() if vae_config.get("latent_mode") else distribution.sample())
+    use_mode = mode == "mode" or vae_config.get("latent_mode")
+    return normalize(vae_config, distribution.mode() if use_mode else distribution.sample())
 
 
 def mean_latents(params, vae_config):

@@ -1,27 +1,33 @@
 """Validation images of the text-to-image trainers, for any family: the family's pipeline built around the weights
 being trained, drawn from the cached prompt embeddings when the text encoders are frozen (they may have left the
-accelerator), decoded by the VAE in fp32, saved under samples/step-N/ and logged to the trackers."""
+accelerator), decoded by the VAE in fp32, saved under samples/step-N/ and logged to the trackers. Edit LoRAs: the
+family's edit pipeline draws from the reference images, and the base draws too (adapters off, same seeds): the
+trackers get reference | base | LoRA side by side."""
 import os
 
 
-def validation_images(args, accelerator, family, parts, scheduler, step, sizes=None, embeddings=None):
+def validation_images(args, accelerator, family, parts, scheduler, step, sizes=None, embeddings=None,
+                      references=None):
     """Images of --validation_prompt from the current weights (main process; the others wait), saved under
     samples/step-N/ and logged to the trackers (a row per prompt, and per size: `sizes` [(height, width)], default
     the family's own sample size). parts: the pipeline's components, by their names (the trained ones unwrapped);
     scheduler: the training scheduler, whose settings the sampler takes (--validation_scheduler); embeddings(prompt)
     -> the family's conditioning of a prompt (cached; "" is the unconditional one), or None: the pipeline encodes
-    the prompts itself."""
+    the prompts itself. references: the reference images (PIL) of an edit LoRA's prompts, or None."""
     import diffusers
     import torch
 
     from .diffusion import image_grid, sampling_scheduler
     from .reporting import log_image
-    from .vae import decode_fp32
+
+    if references:  # (edit LoRAs)
+        from .references import adapters_off, side_by_side
 
     paths = []
     if accelerator.is_main_process:
         sampler = sampling_scheduler(args.validation_scheduler or family.SAMPLER, scheduler.config, family.SAMPLERS)
-        pipe = getattr(diffusers, family.PIPELINE)(**parts, scheduler=sampler, **family.PIPELINE_EXTRAS)
+        pipeline = family.EDIT_PIPELINE if references else family.PIPELINE
+        pipe = getattr(diffusers, pipeline)(**parts, scheduler=sampler, **family.PIPELINE_EXTRAS)
         pipe.set_progress_bar_config(disable=True)
         models = [model for model in parts.values() if isinstance(model, torch.nn.Module)]
         modes = [model.training for model in models]
@@ -44,21 +50,38 @@ def validation_images(args, accelerator, family, parts, scheduler, step, sizes=N
                 if "max_sequence_length" in family.SAMPLE_FLAGS:
                     text["max_sequence_length"] = args.max_sequence_length
             for s, (height, width) in enumerate(sizes or [family.sample_size(pipe)]):
-                generators = [torch.Generator().manual_seed(args.seed + j) for j in range(args.num_validation_images)]
-                with torch.no_grad(), accelerator.autocast():
-                    latents = pipe(**text, num_inference_steps=args.validation_inference_steps,
-                                   generator=generators, height=height, width=width, output_type="latent").images
-                images = decode_fp32(pipe, family.unpack_latents(pipe, latents, height, width),
-                                     family.latent_config(pipe.vae))
+                if references:
+                    text.update(family.reference_kwargs(references, height, width))
+                images = draw(pipe, family, args, accelerator, text, height, width)
                 size = f"-{width}x{height}" if s else ""  # the first size keeps the plain names
                 for j, image in enumerate(images):
                     paths.append(os.path.join(folder, f"{p}-{j}{size}.png"))
                     image.save(paths[-1])
-                log_image(accelerator, f"validation/{p}{size}", image_grid(images, ncol=len(images)), step)
+                grid = image_grid(images, ncol=len(images))
+                if references:  # a row per image: the reference(s), the base's output (same seed), the LoRA's
+                    with adapters_off(models):
+                        base = draw(pipe, family, args, accelerator, text, height, width)
+                    grid = side_by_side(references, base, images, height, width)
+                    paths.append(os.path.join(folder, f"{p}-side_by_side{size}.png"))
+                    grid.save(paths[-1])
+                log_image(accelerator, f"validation/{p}{size}", grid, step)
         for model, mode in zip(models, modes):
             model.train(mode)
     accelerator.wait_for_everyone()
     return paths
+
+
+def draw(pipe, family, args, accelerator, kwargs, height, width):
+    """--num_validation_images images of one prompt (kwargs: the pipeline call's), image j from seed + j."""
+    import torch
+
+    from .vae import decode_fp32
+
+    generators = [torch.Generator().manual_seed(args.seed + j) for j in range(args.num_validation_images)]
+    with torch.no_grad(), accelerator.autocast():
+        latents = pipe(**kwargs, num_inference_steps=args.validation_inference_steps, generator=generators,
+                       height=height, width=width, output_type="latent").images
+    return decode_fp32(pipe, family.unpack_latents(pipe, latents, height, width), family.latent_config(pipe.vae))
 
 
 def add_validation_image_args(group, validation_steps):

@@ -45,10 +45,11 @@ def generate(pipe, family, prompts, guidance_scale, num_inference_steps, seed=0,
     return torch.cat(out)
 
 
-def lora_pipeline(lora, uses):
+def lora_pipeline(lora, uses, edit=False):
     """A train_lora.py output on its base (from lora_info.json), as sample.py loads it: the base with sample.py's
-    default sampler, the LoRA with diffusers' load_lora_weights, a LoHa or LoKr (peft_adapter_weights.safetensors)
-    through peft; either scales with the pipeline's LoRA scale. -> (pipe, family)."""
+    default sampler (`edit`: the family's edit pipeline, as sample.py --image), the LoRA with diffusers'
+    load_lora_weights, a LoHa or LoKr (peft_adapter_weights.safetensors) through peft; either scales with the
+    pipeline's LoRA scale. -> (pipe, family)."""
     import torch
 
     from common.diffusion import sampling_scheduler
@@ -58,7 +59,7 @@ def lora_pipeline(lora, uses):
 
     base = read_lora_info(lora)["base_model"]
     family = load_family(base, "the LoRA's base", uses=uses)
-    pipe = load_pipeline(family, base, "the LoRA's base", torch.float32)
+    pipe = load_pipeline(family, base, "the LoRA's base", torch.float32, edit=edit)
     pipe.scheduler = sampling_scheduler(family.SAMPLER, pipe.scheduler.config, family.SAMPLERS)
     pipe.set_progress_bar_config(disable=True)
     if peft_adapter_configs(lora) is not None:

@@ -233,7 +233,7 @@ def test_sample_py_bad_input(trained, unconditional_model, tmp_path):
         (["--model", trained, "--class_label", "eleven"], "--class_label 'eleven' is not a class of this model"),
         (["--model", trained, "--class_label", "10"], "is not a class of this model"),
         (["--model", broken], "is not a train_ddpm.py output"),
-        (["--model", trained, "--prompt", "a digit"], "--prompt/--lora are for text-to-image models"),
+        (["--model", trained, "--prompt", "a digit"], "--prompt/--lora/--image are for text-to-image models"),
         (["--model", trained, "--height", "16"], "--height/--width are for text-to-image models"),  # was ignored
         (["--model", tmp_path / "empty"], "error"),  # not a DDPM folder at all: handled by the other branch
         # pins: --no_ema on a final output (unet/ holds the EMA weights) silently gave the EMA weights

@@ -2,7 +2,9 @@
 states (with text ids) and CLIP's pooled embedding, with a guidance input when the base is guidance-distilled
 (Flux.1-dev: config guidance_embeds). As diffusers' train_dreambooth_lora_flux.py trains it: the transformer takes
 the timestep divided by 1000, the training sigmas are unshifted (the config's dynamic shifting is for sampling), no
-loss weighting, target noise - x0.
+loss weighting, target noise - x0. Edits (FLUX.1 Kontext, FluxKontextPipeline; any Flux.1 base given reference
+images, common/references.py): the reference's packed latents appended to the image tokens with their own ids (first
+coordinate 1), the prediction read from the image tokens only, as train_dreambooth_lora_flux_kontext.py does.
 """
 from ..diffusion import FLOW_SCHEDULER_CLASSES
 from ..prompts import clip_ids, t5_ids
@@ -13,6 +15,9 @@ from . import embedding_kwargs, every_target, no_empty_prompt_zeros, t5_text_len
 KEY = "flux"
 NAME = "Flux.1"
 PIPELINE = "FluxPipeline"
+EDIT_PIPELINE = "FluxKontextPipeline"  # draws from reference images (FLUX.1 Kontext)
+PIPELINES = (EDIT_PIPELINE,)  # FLUX.1 Kontext bases' model_index.json names it
+REFERENCES = 1  # reference images FluxKontextPipeline takes
 DENOISER = "transformer"
 # What its LoRA files say of their base (kohya's ss_base_model_version, ModelSpec's modelspec.architecture, by prefix),
 # and tensor names only its LoRAs have: the single-stream blocks, kohya's double_blocks/single_blocks, the guidance
@@ -116,19 +121,45 @@ def image_ids(h, w, device):
     return ids.reshape(-1, 3)
 
 
+def reference_tokens(latents, device):
+    """Reference latents (a list of [B, C, h, w]) -> (their tokens [B, n, 4C], their ids [n, 3]): packed as the image
+    tokens, each token's ids (1, row, column), as FluxKontextPipeline.prepare_latents makes them."""
+    import torch
+
+    ids = [image_ids(x.shape[-2], x.shape[-1], device) for x in latents]
+    for i in ids:
+        i[:, 0] = 1
+    return torch.cat([pack(x) for x in latents], dim=1), torch.cat(ids)
+
+
 def denoise(transformer, noisy, timesteps, cond, guidance=None):
     """The transformer's prediction (noise - x0) for noisy latents [B, C, H, W], packed in and unpacked out; the
-    timestep divided by 1000, as the pipeline gives it; `guidance` for a guidance-distilled base."""
+    timestep divided by 1000, as the pipeline gives it; `guidance` for a guidance-distilled base. With
+    cond["reference_latents"] (edits) their tokens follow the image tokens, and the prediction is the image tokens'."""
     import torch
 
     b, _, h, w = noisy.shape
     text = cond["prompt_embeds"]
-    out = transformer(hidden_states=pack(noisy), timestep=timesteps / 1000,
+    tokens, ids = pack(noisy), image_ids(h, w, noisy.device)
+    if cond.get("reference_latents"):
+        more, more_ids = reference_tokens(cond["reference_latents"], noisy.device)
+        tokens, ids = torch.cat([tokens, more.to(tokens.dtype)], dim=1), torch.cat([ids, more_ids])
+    out = transformer(hidden_states=tokens, timestep=timesteps / 1000,
                       guidance=None if guidance is None else torch.full((b,), float(guidance), device=noisy.device),
                       pooled_projections=cond["pooled_prompt_embeds"], encoder_hidden_states=text,
-                      txt_ids=torch.zeros(text.shape[1], 3, device=noisy.device), img_ids=image_ids(h, w, noisy.device),
-                      return_dict=False)[0]
-    return unpack(out, h, w)
+                      txt_ids=torch.zeros(text.shape[1], 3, device=noisy.device), img_ids=ids, return_dict=False)[0]
+    return unpack(out[:, :(h // 2) * (w // 2)], h, w)
+
+
+def reference_kwargs(references, height, width):
+    """FluxKontextPipeline's arguments to draw height x width from `references` (one PIL image, or a list of one per
+    prompt): the reference resized to the drawing's size, as training pairs it with its target (the pipeline's
+    resize to its preferred resolutions off), and max_area kept at height x width (the pipeline's default of
+    1024 x 1024 would change the size)."""
+    def resized(image):
+        return [resized(i) for i in image] if isinstance(image, list) else image.resize((width, height))
+
+    return {"image": resized(references[0]), "max_area": height * width, "_auto_resize": False}
 
 
 def guidance_kwargs(denoiser_config, scale, batch):

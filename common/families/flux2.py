@@ -48,6 +48,8 @@ KEY = "flux2"
 NAME = "FLUX.2 dev"
 PIPELINE = "Flux2Pipeline"
 DENOISER = "transformer"
+REFERENCES = 0  # reference images (edit LoRAs): not yet for this family (docs/train_lora.md)
+EDIT_PIPELINE = None
 SWAP_BLOCKS = ("transformer_blocks", "single_transformer_blocks")  # the blocks, in the order they run
 LORA_METADATA = {"modelspec.architecture": ("flux-2-dev", "Flux.2-dev")}
 # Mistral3's processor (Pixtral's, which needs torchvision) or, for a base that holds only a tokenizer, the tokenizer:

@@ -27,6 +27,8 @@ KEY = "flux2_klein"
 NAME = "FLUX.2 klein"
 PIPELINE = "Flux2KleinPipeline"
 DENOISER = "transformer"
+REFERENCES = 0  # reference images (edit LoRAs): not yet for this family (docs/train_lora.md)
+EDIT_PIPELINE = None
 SWAP_BLOCKS = ("transformer_blocks", "single_transformer_blocks")  # the blocks, in the order they run
 # What its LoRA files say of their base (ModelSpec's modelspec.architecture, ours and musubi-tuner's spelling, by
 # prefix; kohya's ss_base_model_version "flux2" is FLUX.2 dev's and klein's alike), and tensor names only FLUX.2's

@@ -28,6 +28,8 @@ KEY = "qwen_image"
 NAME = "Qwen-Image"
 PIPELINE = "QwenImagePipeline"
 DENOISER = "transformer"
+REFERENCES = 0  # reference images (edit LoRAs): not yet for this family (docs/train_lora.md)
+EDIT_PIPELINE = None
 SWAP_BLOCKS = ("transformer_blocks",)  # the denoiser's blocks, in the order its forward runs them
 # What its LoRA files say of their base (musubi-tuner's ss_base_model_version and ModelSpec architecture, by prefix),
 # and tensor names only its LoRAs have: its text and image input layers, the blocks under kohya's and ComfyUI's names

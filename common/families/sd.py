@@ -22,6 +22,8 @@ KEY = "sd"
 NAME = "Stable Diffusion 1.x/2.x"
 PIPELINE = "StableDiffusionPipeline"
 DENOISER = "unet"
+EDIT_PIPELINE = None  # the pipeline that draws from reference images (edit LoRAs, common/references.py), if any
+REFERENCES = 0  # how many reference images it takes
 # What its LoRA files say of their base (kohya's ss_base_model_version, ModelSpec's modelspec.architecture, by prefix),
 # and tensor names only its LoRAs have (kohya's one text encoder, lora_te_).
 LORA_METADATA = {"ss_base_model_version": ("sd_v1", "sd_v2"),

@@ -22,6 +22,8 @@ KEY = "sd3"
 NAME = "Stable Diffusion 3"
 PIPELINE = "StableDiffusion3Pipeline"
 DENOISER = "transformer"
+EDIT_PIPELINE = None  # no edit pipeline: no reference images
+REFERENCES = 0
 # What its LoRA files say of their base (kohya's ss_base_model_version, ModelSpec's modelspec.architecture, by prefix),
 # and tensor names only its LoRAs have (the blocks it shares with Flux.1 tell nothing).
 LORA_METADATA = {"ss_base_model_version": ("sd3",),

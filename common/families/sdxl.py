@@ -23,6 +23,8 @@ KEY = "sdxl"
 NAME = "Stable Diffusion XL"
 PIPELINE = "StableDiffusionXLPipeline"
 DENOISER = "unet"
+EDIT_PIPELINE = None  # no edit pipeline: no reference images
+REFERENCES = 0
 # What its LoRA files say of their base (kohya's ss_base_model_version, ModelSpec's modelspec.architecture, by prefix),
 # and tensor names only its LoRAs have: the second text encoder (kohya's lora_te1_/lora_te2_), the sgm UNet's blocks
 # and the added embedding.

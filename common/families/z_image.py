@@ -26,6 +26,8 @@ KEY = "z_image"
 NAME = "Z-Image"
 PIPELINE = "ZImagePipeline"
 DENOISER = "transformer"
+REFERENCES = 0  # reference images (edit LoRAs): not yet for this family (docs/train_lora.md)
+EDIT_PIPELINE = None
 SWAP_BLOCKS = ("layers",)  # the main blocks, in the order its forward runs them (the small refiners stay)
 # What its LoRA files say of their base (kohya's ss_base_model_version; ModelSpec's architecture, musubi-tuner's
 # "Z-Image"), and tensor names only its LoRAs have: its refiner blocks and main `layers` under diffusers' prefix,

@@ -1055,7 +1055,8 @@ PEERS = ("examples/text_to_image/train_text_to_image_lora.py",
          "examples/dreambooth/train_dreambooth_lora_flux.py", "examples/dreambooth/train_dreambooth_lora_sd3.py",
          "examples/research_projects/flux_lora_quantization/train_dreambooth_lora_flux_miniature.py",
          "examples/dreambooth/train_dreambooth_lora_qwen_image.py",
-         "examples/dreambooth/train_dreambooth_lora_z_image.py")
+         "examples/dreambooth/train_dreambooth_lora_z_image.py",
+         "examples/dreambooth/train_dreambooth_lora_flux_kontext.py")
 
 
 def pinned(requirements, package):
