@@ -126,6 +126,17 @@ def literal(value):
     return json.dumps(value) if isinstance(value, str) else repr(value)
 
 
+def prompt_argument(family, prompt):
+    """The prompt as the call's first argument, by keyword where the pipeline's first parameter is another (FLUX.2's
+    and Kontext's take the image first)."""
+    import inspect
+
+    import diffusers
+
+    first = list(inspect.signature(getattr(diffusers, family.PIPELINE).__call__).parameters)[1]
+    return literal(prompt) if first == "prompt" else f"prompt={literal(prompt)}"
+
+
 def pipeline_snippet(family, base, prompt, call, lora=None, swap=None, load=None, seed=0):
     """The model card's code: the family's pipeline from `base` (`load`: from_pretrained's other arguments, e.g.
     text_encoder_3=None), the sampler swap (scheduler_swap's), the LoRA folder, one call with `call` (call_kwargs')
@@ -141,7 +152,7 @@ def pipeline_snippet(family, base, prompt, call, lora=None, swap=None, load=None
     if lora:
         lines.append(f"pipe.load_lora_weights({literal(lora)})")
     head = "image = pipe("
-    parts = [literal(prompt), *(f"{key}={literal(value)}" for key, value in call.items()),
+    parts = [prompt_argument(family, prompt), *(f"{key}={literal(value)}" for key, value in call.items()),
              f"generator=torch.Generator().manual_seed({seed})"]
     line = head
     for i, part in enumerate(parts):

@@ -264,8 +264,8 @@ def main():
         n = write_tiny_sd(base, g.get("architecture", "sd15"), device=args.device, fast=args.device != "cpu")
         print(f"built the random-init {g.get('architecture', 'sd15')} architecture ({n / 1e6:.0f} M parameters) in "
               f"{time.perf_counter() - start:.0f} s: {base}", flush=True)
-    data = g["args"][g["args"].index("--train_data_dir") + 1]
-    if not os.path.isfile(os.path.join(ROOT, data, "train", "metadata.jsonl")):  # (no `make data`: no install step)
+    data = g["args"][g["args"].index("--train_data_dir") + 1] if "--train_data_dir" in g["args"] else None
+    if data and not os.path.isfile(os.path.join(ROOT, data, "train", "metadata.jsonl")):  # (no `make data`)
         from demo.digits import write_digits
 
         write_digits(os.path.join(ROOT, data))
