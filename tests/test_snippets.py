@@ -56,7 +56,8 @@ def called_prompt_and_seed(code):
                 and isinstance(node.func, ast.Name) and node.func.id == "pipe")
     seed = next(node for node in ast.walk(call) if isinstance(node, ast.Call)
                 and getattr(node.func, "attr", None) == "manual_seed")
-    return ast.literal_eval(call.args[0]), ast.literal_eval(seed.args[0])
+    prompt = call.args[0] if call.args else next(k.value for k in call.keywords if k.arg == "prompt")
+    return ast.literal_eval(prompt), ast.literal_eval(seed.args[0])
 
 
 def sample_py(model, prompt, seed, output_dir, *flags):
