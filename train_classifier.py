@@ -40,7 +40,7 @@ from common.args import (
 from common.checkpoints import agreed_checkpoint, detect_shared_output_dir, read_checkpoint_info, resolve_resume
 from common.cli import UserError, first_line, quiet_loading_bars, run
 from common.optimizers import add_optimizer_args, check_optimizer_args
-from common.training import parse_lr_groups
+from common.training import parse_lr_groups, set_cuda_backends
 
 
 def parse_args(argv=None):
@@ -118,8 +118,7 @@ def main(args):
     set_seed(args.seed)
     # SIGTERM/SIGINT from here on (start-up included) stop the run after a complete, saved optimizer step.
     preemption = PreemptionGuard(accelerator, check_every=args.logging_steps)
-    if args.allow_tf32:
-        torch.backends.cuda.matmul.allow_tf32 = True
+    set_cuda_backends(args.allow_tf32, args.allow_cudnn_attention)
 
     # 2. Data: labels -> ids, images decoded once; text tokenized once. eval: the validation split carved from train
     #    (per-epoch metrics, best_model/); test: --eval_split, evaluated only at the end (None if the dataset lacks it).

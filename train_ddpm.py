@@ -50,7 +50,7 @@ from common.diffusion import (
     diffusion_target,
 )
 from common.optimizers import add_optimizer_args, check_optimizer_args
-from common.training import add_ema_args, check_resumed_ema, ema_weights
+from common.training import add_ema_args, check_resumed_ema, ema_weights, set_cuda_backends
 from common.unet_config import channel_list, check_unet_shape, pretrained_unet_config, unet_config_source
 
 
@@ -153,8 +153,7 @@ def main(args):
     set_seed(args.seed)
     # SIGTERM/SIGINT from here on (start-up included) stop the run after a complete, saved optimizer step.
     preemption = PreemptionGuard(accelerator, check_every=args.logging_steps)
-    if args.allow_tf32:
-        torch.backends.cuda.matmul.allow_tf32 = True
+    set_cuda_backends(args.allow_tf32, args.allow_cudnn_attention)
 
     # 2. Data: images decoded once, scaled to [-1, 1]; class names -> ids (the null class is the id after the last).
     # <domain: data>

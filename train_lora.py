@@ -85,7 +85,7 @@ from common.loss_masks import base_prediction, check_mask_args, latent_mask, mas
 from common.objectives import add_objective_args
 from common.optimizers import OPTIMIZERS, add_optimizer_args, check_optimizer_args
 from common.references import add_reference_args, check_reference_args
-from common.training import add_ema_args, check_resumed_ema, ema_weights
+from common.training import add_ema_args, check_resumed_ema, ema_weights, set_cuda_backends
 from common.validation_images import add_validation_image_args
 
 
@@ -190,8 +190,7 @@ def main(args):
     set_seed(args.seed)
     # SIGTERM/SIGINT from here on (start-up included) stop the run after a complete, saved optimizer step.
     preemption = PreemptionGuard(accelerator, check_every=args.logging_steps)
-    if args.allow_tf32:
-        torch.backends.cuda.matmul.allow_tf32 = True
+    set_cuda_backends(args.allow_tf32, args.allow_cudnn_attention)
     # <domain: weight dtypes>
     from common.base_models import lora_dtypes
 

@@ -53,7 +53,7 @@ from common.objectives import add_objective_args
 from common.optimizers import add_optimizer_args, check_optimizer_args
 from common.single_file_checkpoint import check_single_file_base, save_single_file, single_file_path
 from common.text_encoder_keys import add_text_model_prefix
-from common.training import add_ema_args, check_resumed_ema, ema_weights
+from common.training import add_ema_args, check_resumed_ema, ema_weights, set_cuda_backends
 from common.unet_config import read_json_config
 from common.validation_images import add_validation_image_args
 
@@ -142,8 +142,7 @@ def main(args):
     set_seed(args.seed)
     # SIGTERM/SIGINT from here on (start-up included) stop the run after a complete, saved optimizer step.
     preemption = PreemptionGuard(accelerator, check_every=args.logging_steps)
-    if args.allow_tf32:
-        torch.backends.cuda.matmul.allow_tf32 = True
+    set_cuda_backends(args.allow_tf32, args.allow_cudnn_attention)
     # <domain: weight dtype>
     # Read the accelerator's precision, not the flag: an accelerate yaml may ask for fp16 too. The denoiser trains in
     # fp32 (autocast computes in the low precision); the frozen text encoders are stored in it.

@@ -156,6 +156,10 @@ def add_training_args(parser, *, output_dir, learning_rate, train_batch_size, nu
     g.add_argument("--mixed_precision", default=None, choices=MIXED_PRECISION,
                    help="Overrides the accelerate config's mixed precision.")
     g.add_argument("--allow_tf32", action="store_true", help="TF32 matmuls on Ampere+ GPUs.")
+    g.add_argument("--allow_cudnn_attention", action="store_true",
+                   help="Let scaled_dot_product_attention use cuDNN's fused kernel on GPUs. Off by default: its "
+                        "backward crashed training on an H100 with torch 2.11 (docs/reliability.md); the flash and "
+                        "memory-efficient kernels train the same.")
     g.add_argument("--ddp_timeout", type=positive_int, default=1800,
                    help="Seconds a process waits for the others before the run fails: the main process validates, "
                         "samples and saves while the others wait. With several machines, also how long the launcher "

@@ -19,6 +19,19 @@ from .cli import UserError
 logger = logging.getLogger(__name__)
 
 
+def set_cuda_backends(allow_tf32, allow_cudnn_attention):
+    """The CUDA backend switches of --allow_tf32 and --allow_cudnn_attention (no effect without a GPU). cuDNN's fused
+    attention stays off unless asked for: its backward failed FLUX.1 training at 1024 px on an H100 with torch 2.11
+    ("an illegal memory access", or `mha_graph.execute(...).is_good()`), and PyTorch's issues give the same switch as
+    the way round it (docs/reliability.md)."""
+    import torch
+
+    if allow_tf32:
+        torch.backends.cuda.matmul.allow_tf32 = True
+    if not allow_cudnn_attention:
+        torch.backends.cuda.enable_cudnn_sdp(False)
+
+
 def plan_steps(batches_per_epoch, gradient_accumulation_steps, num_train_epochs, max_train_steps=None):
     """-> (optimizer steps per epoch, total optimizer steps, epochs).
 

@@ -473,3 +473,18 @@ def test_idle_frozen_models_are_what_the_caches_leave_unused():
     assert idle_frozen_models(cache_latents=True, text_cached=False, validation_prompts=[]) == ["vae"]  # trained TE
     # validation images decode through the VAE; their prompts are cached with the others
     assert idle_frozen_models(cache_latents=True, text_cached=True, validation_prompts=["a cat"]) == ["text_encoders"]
+
+
+def test_cudnn_attention_stays_off_unless_asked_for():
+    from common.training import set_cuda_backends
+
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    try:
+        torch.backends.cuda.enable_cudnn_sdp(True)
+        set_cuda_backends(allow_tf32=False, allow_cudnn_attention=True)
+        assert torch.backends.cuda.cudnn_sdp_enabled()
+        set_cuda_backends(allow_tf32=False, allow_cudnn_attention=False)
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+        assert torch.backends.cuda.flash_sdp_enabled() and torch.backends.cuda.mem_efficient_sdp_enabled()
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(before)

@@ -161,6 +161,9 @@ def test_pieces_run_in_order_record_their_results_and_are_skipped_once_there(dig
     assert json.loads((tmp_path / "results" / "ok.json").read_text()) == ok  # nothing written over
     assert not (tmp_path / "results" / "fresh.json").exists()
 
+    (tmp_path / "results" / "ok.json").write_text(json.dumps(dict(ok, status="failed")))  # a failed piece runs again
+    failed = driver("run", "--config", cfg, "--pieces", "ok", "--budget_s", "1")
+    assert failed.returncode == 0 and "ok: left for the next call" in failed.stdout, failed.stdout + failed.stderr
     (tmp_path / "results" / "ok.json").unlink()  # as in a fresh checkout: the results come back from $OUT
     took = driver("take", "--config", cfg, out)
     assert took.returncode == 0 and took.stdout.startswith("ok: done, "), took.stdout + took.stderr

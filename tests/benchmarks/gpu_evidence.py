@@ -2,8 +2,8 @@
 the pieces in their value order (workloads.toml's `order`) while its budget allows. Each piece writes its result
 (tests/benchmarks/results/gpu-evidence/<piece>.json: the runs' exact commands, the versions, the device, the date, the
 call), and each finished run's result goes to the call's --export_dir as it ends, so a call cut short keeps what
-finished. A piece is skipped while its result is there; one cut short runs again, whole, in a later call: a run is
-compared only with runs of the same call on the same GPU.
+finished. A piece is skipped while its result is there; one cut short or failed runs again, whole, in a later call: a
+run is compared only with runs of the same call on the same GPU.
 
     python tests/benchmarks/gpu_evidence.py run [--pieces a-eager,c-engines] [--budget_s 510] [--export_dir DIR]
     python tests/benchmarks/gpu_evidence.py preflight  # the pack against this machine's packages, in seconds
@@ -788,7 +788,7 @@ def run_pieces(args):
     start = time.time()
     budget_deadline = start + args.budget_s if args.budget_s else float("inf")
     done = {p: stored_result(cfg, p) for p in order}
-    pending = [p for p in order if args.rerun or done[p] is None or done[p]["status"] == "cut"]
+    pending = [p for p in order if args.rerun or done[p] is None or done[p]["status"] in ("cut", "failed")]
     for pid in order:
         if pid not in pending:
             r = done[pid]
