@@ -17,7 +17,7 @@ of common/families/ (SD 1.x/2.x, SDXL, SD3, Flux.1, Qwen-Image, Z-Image), each t
     python sample.py --model black-forest-labs/FLUX.1-dev --lora outputs/lora-flux --prompt "..." --device cuda \
         --dtype bf16 --height 1024 --width 1024
 An edit LoRA (train_lora.py --control_data_dir) from a reference image, with its family's edit pipeline (Flux.1:
-FluxKontextPipeline), at the reference's aspect ratio unless --height/--width say otherwise:
+FluxKontextPipeline; FLUX.2: its own pipeline), at the reference's aspect ratio unless --height/--width say otherwise:
     python sample.py --model outputs/edit-lora --image ref.png --prompt "make it red ink on paper"
 
 A copy also needs the module of its base's family, one of common/families/*.py (sd.py for Stable Diffusion 1.x/2.x;
@@ -40,7 +40,13 @@ from common.args import (
 from common.cli import UserError, first_line, one_line, quiet_loading_bars, run
 from common.diffusion import DEFAULT_SCHEDULER, FLOW_SCHEDULER_CLASSES, SCHEDULER_CLASSES
 from common.pipelines import class_label_ids, model_kind, read_labels
-from common.references import check_family_references, check_references, open_images, reference_size
+from common.references import (
+    check_drawing_size,
+    check_family_references,
+    check_references,
+    open_images,
+    reference_size,
+)
 
 
 def parse_args(argv=None):
@@ -83,7 +89,8 @@ def parse_args(argv=None):
                              "cannot read it.")
     parser.add_argument("--image", action="append", default=[],
                         help="A reference image to edit (repeatable, as many as the base takes): draws with the "
-                             "family's edit pipeline (Flux.1: FluxKontextPipeline, one image).")
+                             "family's edit pipeline (Flux.1: FluxKontextPipeline, one image; FLUX.2: its own "
+                             "pipeline, up to 4 for klein and 6 for dev, each at least 64 px a side).")
     parser.add_argument("--lora_scale", type=float, nargs="+", default=[1.0],
                         help="Multiplies every LoRA's scale; several values (e.g. 0 0.5 1) draw every prompt and "
                              "seed at each, a grid row per scale and prompt (0: the base alone).")
@@ -386,7 +393,9 @@ def draw(pipe, family, args, images, params, common, steps, guidance, extra, siz
             raise UserError(f"--clip_skip {args.clip_skip}: the text encoder of this base has {layers} layers; give "
                             f"at most {most}")
     kwargs = {k: v for k, v in extra.items() if v is not None and k != "negative_prompt"}
-    kwargs.update(family.reference_kwargs(references, height, width) if references else {})
+    if references:  # resized to the drawing's size
+        check_drawing_size(family, height, width, factor)
+        kwargs.update(family.reference_kwargs(references, height, width))
     jobs = [(prompt, j) for prompt in args.prompt for j in range(args.num_images)]
     first = len(images)
     for start in range(0, len(jobs), args.batch_size):

@@ -28,7 +28,7 @@ ASPECT_TOLERANCE = 0.95  # the share of a control image a crop to its target's a
 
 def add_reference_args(parser):
     """The flags of edit LoRAs (diffusers' Kontext script's --cond_image_column is --control_image_column here)."""
-    g = parser.add_argument_group("reference images (edit LoRAs: FLUX.1 Kontext)")
+    g = parser.add_argument_group("reference images (edit LoRAs: FLUX.1 Kontext, FLUX.2)")
     g.add_argument("--control_data_dir", action="append", default=[],
                    help="A folder with a reference image of the same name for each training image (repeatable: one "
                         "folder per reference). Makes the run an edit LoRA's: the base sees the reference beside the "
@@ -82,7 +82,7 @@ def check_reference_args(args, family=None):
                         "images are a column of it: give --control_image_column")
     from .base_models import size_factor
 
-    smallest = size_factor(args.pretrained_model_name_or_path, family) if family else None  # (a hub base: in main)
+    smallest = smallest_reference(family, size_factor(args.pretrained_model_name_or_path, family)) if family else None
     files = {}
     for folder in args.control_data_dir:
         if not os.path.isdir(folder):
@@ -99,12 +99,18 @@ def check_reference_args(args, family=None):
     args.control_files = files
 
 
+def smallest_reference(family, factor):
+    """The smallest side of a reference image the base's edit pipeline takes: one token (`factor` px), or more where
+    the pipeline says so (FLUX.2: REFERENCE_MIN_SIDE)."""
+    return max(factor, getattr(family, "REFERENCE_MIN_SIDE", 0))
+
+
 def check_family_references(family, count, flag, base):
     """A base takes at most family.REFERENCES reference images: one line for more, or for any on a base that takes
     none."""
     if count and not family.REFERENCES:
         raise UserError(f"{flag}: the base model '{base}' ({family.NAME}) takes no reference images; an edit LoRA "
-                        "needs a base whose family has an edit pipeline (Flux.1: FLUX.1 Kontext)")
+                        "needs a base whose family has an edit pipeline (Flux.1: FLUX.1 Kontext; FLUX.2)")
     if count > family.REFERENCES:
         raise UserError(f"{flag}: {count} reference images, but {family.EDIT_PIPELINE} takes at most "
                         f"{family.REFERENCES}; give at most {family.REFERENCES}")
@@ -155,7 +161,11 @@ def paired_references(args, family, train_ds, held_out_ds):
 
     flag, base = reference_flag(args), args.pretrained_model_name_or_path
     check_family_references(family, count, flag, base)  # (a hub base: now that its family is known)
-    smallest = size_factor(base, family, args.revision, args.cache_dir)
+    smallest = smallest_reference(family, size_factor(base, family, args.revision, args.cache_dir))
+    if args.resolution < smallest:  # (the references train at their training image's size)
+        raise UserError(f"--resolution {args.resolution}: {family.EDIT_PIPELINE} takes reference images of at least "
+                        f"{smallest} px a side, and they train at their training image's size; give --resolution "
+                        f"{smallest} or more")
     train = dataset_controls(args, train_ds, smallest)
     held_out = None if held_out_ds is None else dataset_controls(args, held_out_ds, smallest)
     if held_out is not None and not all(all(row) for row in held_out):
@@ -320,13 +330,14 @@ def open_images(paths, flag):
     return images
 
 
-def check_references(images, paths, flag, family, smallest):
-    """sample.py's --image: each at least `smallest` px a side (what the edit pipeline packs into one token)."""
+def check_references(images, paths, flag, family, factor):
+    """sample.py's --image: each at least as large as the edit pipeline takes (smallest_reference)."""
+    smallest = smallest_reference(family, factor)
+    why = family.RESOLUTION_FACTOR if smallest == factor else "its image processor's smallest"
     for image, path in zip(images, paths):
         if min(image.size) < smallest:
             raise UserError(f"{flag} '{path}' is {image.size[0]}x{image.size[1]} px; {family.EDIT_PIPELINE} takes "
-                            f"reference images of at least {smallest} px a side ({family.RESOLUTION_FACTOR}); give a "
-                            "larger one")
+                            f"reference images of at least {smallest} px a side ({why}); give a larger one")
 
 
 def reference_size(image, height, width, factor):
@@ -336,6 +347,15 @@ def reference_size(image, height, width, factor):
     w = max(factor, round((height * width * aspect) ** 0.5 / factor) * factor)
     h = max(factor, round((height * width / aspect) ** 0.5 / factor) * factor)
     return h, w
+
+
+def check_drawing_size(family, height, width, factor):
+    """sample.py draws from references resized to the drawing's size: at least what the edit pipeline takes."""
+    smallest = smallest_reference(family, factor)
+    if min(height, width) < smallest:
+        raise UserError(f"{width}x{height} px: {family.EDIT_PIPELINE} takes reference images of at least {smallest} px "
+                        "a side, and they are drawn from at the drawing's size; give --height and --width of at least "
+                        f"{smallest}")
 
 
 @contextlib.contextmanager

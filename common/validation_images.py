@@ -21,7 +21,7 @@ def validation_images(args, accelerator, family, parts, scheduler, step, sizes=N
     from .reporting import log_image
 
     if references:  # (edit LoRAs)
-        from .references import adapters_off, side_by_side
+        from .references import adapters_off, reference_size, side_by_side
 
     paths = []
     if accelerator.is_main_process:
@@ -38,6 +38,9 @@ def validation_images(args, accelerator, family, parts, scheduler, step, sizes=N
         denoiser = parts[family.DENOISER]
         guidance, unconditional = family.guidance_kwargs(denoiser.config, args.validation_guidance_scale,
                                                          args.num_validation_images)
+        if references and not sizes:  # as sample.py draws an edit LoRA: the training size, the reference's aspect
+            factor = family.resolution_factor({"vae": pipe.vae.config, family.DENOISER: denoiser.config})
+            sizes = [reference_size(references[0], args.resolution, args.resolution, factor)]
         for p, prompt in enumerate(args.validation_prompt):
             if embeddings is not None:
                 uncond = embeddings("") if unconditional else None

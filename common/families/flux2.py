@@ -4,7 +4,7 @@ Mistral3 (Mistral Small 3.1, a vision-language model; text only here) layers 10,
 user turn after the pipeline's system message in Mistral's chat format. As diffusers' train_dreambooth_lora_flux2.py
 trains it: the guidance input 3.5 while training (--guidance_scale), the posterior's mode, the timestep divided by
 1000, unshifted training sigmas, no loss weighting, target noise - x0. The pipeline draws with the guidance as an
-input (4.0 by default), no unconditional branch.
+input (4.0 by default), no unconditional branch. Reference images (edits) as klein's.
 """
 from .flux2_klein import COMPONENTS as KLEIN_COMPONENTS
 from .flux2_klein import (  # noqa: F401 (FLUX.2's transformer, latents and UI file, as klein's)
@@ -18,6 +18,7 @@ from .flux2_klein import (  # noqa: F401 (FLUX.2's transformer, latents and UI f
     OBJECTIVE,
     OPTIONAL_COMPONENTS,
     PIPELINE_EXTRAS,
+    REFERENCE_MIN_SIDE,
     RESOLUTION_FACTOR,
     SAMPLE_FLAGS,
     SAMPLER,
@@ -33,6 +34,7 @@ from .flux2_klein import (  # noqa: F401 (FLUX.2's transformer, latents and UI f
     native_resolution,
     packed_shape,
     pipeline_prompt_kwargs,
+    reference_kwargs,
     resolution_factor,
     sample_size,
     size_factor,
@@ -48,8 +50,8 @@ KEY = "flux2"
 NAME = "FLUX.2 dev"
 PIPELINE = "Flux2Pipeline"
 DENOISER = "transformer"
-REFERENCES = 0  # reference images (edit LoRAs): not yet for this family (docs/train_lora.md)
-EDIT_PIPELINE = None
+EDIT_PIPELINE = PIPELINE  # it takes reference images itself (image=), as klein's
+REFERENCES = 6  # BFL's recommended most for dev (docs.bfl.ai, "Reference Images per Model"; the pipeline sets none)
 SWAP_BLOCKS = ("transformer_blocks", "single_transformer_blocks")  # the blocks, in the order they run
 LORA_METADATA = {"modelspec.architecture": ("flux-2-dev", "Flux.2-dev")}
 # Mistral3's processor (Pixtral's, which needs torchvision) or, for a base that holds only a tokenizer, the tokenizer:

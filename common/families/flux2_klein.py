@@ -5,6 +5,10 @@ Qwen3's chat template with an empty thinking block, padded to max_sequence_lengt
 classifier-free guidance against "" when sampling. As diffusers' train_dreambooth_lora_flux2_klein.py trains it: the
 posterior's mode (not a draw), the timestep divided by 1000, unshifted training sigmas, no loss weighting, target
 noise - x0; as the pipeline embeds prompts (the script's --text_encoder_out_layers defaults to dev's 10, 20, 30).
+Edits (reference images, common/references.py): the pipeline itself takes them (image=); their patchified, normalized
+latents are appended to the image tokens, reference j's ids (10 + 10 j, row, column, 0), and the prediction is read
+from the image tokens only, as Flux2KleinPipeline draws and train_dreambooth_lora_flux2_klein_img2img.py trains (its
+dev twin, train_dreambooth_lora_flux2_img2img.py, numbers a batch's references by sample: 10, 20, ... for one each).
 
 The UI file holds FLUX.2's own module names (double_blocks, single_blocks, kohya's lora_unet_ prefix): what ComfyUI's
 key map gives every model it loads, where diffusers' names of FLUX.2's fused layers are not read by ComfyUI before
@@ -27,8 +31,10 @@ KEY = "flux2_klein"
 NAME = "FLUX.2 klein"
 PIPELINE = "Flux2KleinPipeline"
 DENOISER = "transformer"
-REFERENCES = 0  # reference images (edit LoRAs): not yet for this family (docs/train_lora.md)
-EDIT_PIPELINE = None
+EDIT_PIPELINE = PIPELINE  # it takes reference images itself (image=)
+REFERENCES = 4  # BFL's most for klein (docs.bfl.ai, "Reference Images per Model"; the pipeline sets none)
+REFERENCE_MIN_SIDE = 64  # Flux2ImageProcessor.check_image_input's min_side_length: smaller ones are refused
+REFERENCE_TIME = 10  # reference j's first id: 10 + 10 j (the pipelines' _prepare_image_ids)
 SWAP_BLOCKS = ("transformer_blocks", "single_transformer_blocks")  # the blocks, in the order they run
 # What its LoRA files say of their base (ModelSpec's modelspec.architecture, ours and musubi-tuner's spelling, by
 # prefix; kohya's ss_base_model_version "flux2" is FLUX.2 dev's and klein's alike), and tensor names only FLUX.2's
@@ -172,19 +178,43 @@ def text_ids(length, device):
     return torch.cartesian_prod(torch.arange(1), torch.arange(1), torch.arange(1), torch.arange(length)).to(device)
 
 
+def reference_tokens(latents, device):
+    """Reference latents (a list of [B, C, h, w], patchified and normalized) -> (their tokens [B, n, C], their ids
+    [n, 4]): reference j's ids (10 + 10 j, row, column, 0), as Flux2KleinPipeline.prepare_image_latents makes them."""
+    import torch
+
+    ids = []
+    for j, x in enumerate(latents):
+        time = torch.tensor([REFERENCE_TIME * (j + 1)])
+        ids.append(torch.cartesian_prod(time, torch.arange(x.shape[-2]), torch.arange(x.shape[-1]), torch.arange(1)))
+    return torch.cat([pack(x) for x in latents], dim=1), torch.cat(ids).to(device)
+
+
 def denoise(transformer, noisy, timesteps, cond, guidance=None):
     """The transformer's prediction (noise - x0) for noisy patchified latents [B, C, h, w], packed in and unpacked
     out; the timestep divided by 1000, as the pipeline gives it; `guidance` for a base with a guidance embedding
-    (FLUX.2 dev)."""
+    (FLUX.2 dev). With cond["reference_latents"] (edits) their tokens follow the image tokens, and the prediction is
+    the image tokens'."""
     import torch
 
     b, _, h, w = noisy.shape
     text = cond["prompt_embeds"]
-    out = transformer(hidden_states=pack(noisy), timestep=timesteps / 1000,
+    tokens, ids = pack(noisy), image_ids(h, w, noisy.device)
+    if cond.get("reference_latents"):
+        more, more_ids = reference_tokens(cond["reference_latents"], noisy.device)
+        tokens, ids = torch.cat([tokens, more.to(tokens.dtype)], dim=1), torch.cat([ids, more_ids])
+    out = transformer(hidden_states=tokens, timestep=timesteps / 1000,
                       guidance=None if guidance is None else torch.full((b,), float(guidance), device=noisy.device),
                       encoder_hidden_states=text, txt_ids=text_ids(text.shape[1], noisy.device),
-                      img_ids=image_ids(h, w, noisy.device), return_dict=False)[0]
-    return unpack(out, h, w)
+                      img_ids=ids, return_dict=False)[0]
+    return unpack(out[:, :h * w], h, w)
+
+
+def reference_kwargs(references, height, width):
+    """The pipeline's arguments to draw height x width from `references` (PIL images, one per reference, for every
+    prompt of the call): each resized to the drawing's size, as training pairs it with its target (the pipeline then
+    keeps it as it is: a multiple of its factor, under 1024 x 1024)."""
+    return {"image": [image.resize((width, height)) for image in references]}
 
 
 guidance_kwargs = classifier_free_guidance  # true CFG against "" (ignored by a step-distilled klein)
