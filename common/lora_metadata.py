@@ -57,8 +57,10 @@ def lora_card(args, info, family, steps, last_loss, ema, prompt):
     from .sampling_defaults import model_snippet
 
     base = args.pretrained_model_name_or_path
+    references = getattr(args, "reference_paths", None) or ()  # (an edit LoRA's validation references)
+    images = "".join(f" --image {path}" for path in references)
     summary = (f"Trained with train_lora.py on `{args.dataset_name or args.train_data_dir}` for {steps} optimizer "
-               f"steps. Sample: `python sample.py --model {args.output_dir} --prompt \"...\"`.")
+               f"steps. Sample: `python sample.py --model {args.output_dir}{images} --prompt \"...\"`.")
     facts = {"base model": f"`{base}`" + (" (tiny, random-init: a smoke test, not a picture model)"
                                           if "tiny-sd" in base else ""),
              "resolution": f"{args.resolution} px", "rank / alpha": f"{args.rank} / {args.lora_alpha:g}",
@@ -79,5 +81,6 @@ def lora_card(args, info, family, steps, last_loss, ema, prompt):
             "# diffusers' load_lora_weights cannot read it; sample.py loads it through peft:\n"
             f'# python sample.py --model {args.output_dir} --prompt "{prompt}"')
     # the settings sample.py draws this LoRA with: its size and T5 length, the base's steps and guidance
-    usage = model_snippet(family, info["base_model"], prompt, info, lora=args.output_dir, cache_dir=args.cache_dir)
+    usage = model_snippet(family, info["base_model"], prompt, info, lora=args.output_dir, cache_dir=args.cache_dir,
+                          references=references)
     return f"LoRA for {base}", summary, facts, usage

@@ -173,9 +173,12 @@ def paired_references(args, family, train_ds, held_out_ds):
         held_out_ds, held_out = held_out_ds.select(keep), [held_out[i] for i in keep]
     if args.validation_image:
         validation = open_images(args.validation_image, "--validation_image")
+        args.reference_paths = list(args.validation_image)  # (the model card's)
     else:  # the first held-out image's references, else the first training image's
         first = held_out[0] if held_out else next(row for row in train if all(row))
         validation = [open_value(value) for value in first]
+        args.reference_paths = [(value.get("path") if isinstance(value, dict) else None) or "reference.png"
+                                for value in first]
     return References(count, train, held_out, validation), held_out_ds
 
 

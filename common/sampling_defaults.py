@@ -121,38 +121,53 @@ def scheduler_swap(family, scheduler, prediction_type=None):
     return name, changed
 
 
+class ReferenceCode(str):
+    """A reference image in a snippet: the code that gives it, resized as the family's reference_kwargs asks."""
+
+    def resize(self, size):
+        return ReferenceCode(f"{self}.resize({tuple(size)!r})")
+
+
 def literal(value):
-    """A value as Python source (strings in double quotes, as the cards write them)."""
+    """A value as Python source (strings in double quotes, as the cards write them; a reference image as its code)."""
+    if isinstance(value, ReferenceCode):
+        return str(value)
+    if isinstance(value, list) and value and isinstance(value[0], ReferenceCode):
+        return f"[{', '.join(value)}]"
     return json.dumps(value) if isinstance(value, str) else repr(value)
 
 
-def prompt_argument(family, prompt):
+def prompt_argument(pipeline, prompt):
     """The prompt as the call's first argument, by keyword where the pipeline's first parameter is another (FLUX.2's
     and Kontext's take the image first)."""
     import inspect
 
     import diffusers
 
-    first = list(inspect.signature(getattr(diffusers, family.PIPELINE).__call__).parameters)[1]
+    first = list(inspect.signature(getattr(diffusers, pipeline).__call__).parameters)[1]
     return literal(prompt) if first == "prompt" else f"prompt={literal(prompt)}"
 
 
-def pipeline_snippet(family, base, prompt, call, lora=None, swap=None, load=None, seed=0):
+def pipeline_snippet(family, base, prompt, call, lora=None, swap=None, load=None, seed=0, references=()):
     """The model card's code: the family's pipeline from `base` (`load`: from_pretrained's other arguments, e.g.
     text_encoder_3=None), the sampler swap (scheduler_swap's), the LoRA folder, one call with `call` (call_kwargs')
     and a seeded generator, the image saved. What it draws is what `python sample.py --model <the model> --prompt
-    <prompt> --seed <seed>` draws."""
-    imports = sorted({family.PIPELINE, *([swap[0]] if swap else [])})
+    <prompt> --seed <seed>` draws; with `references` (an edit LoRA's reference image files, which `call` names as
+    ReferenceCode), its edit pipeline, as sample.py --image draws."""
+    pipeline = family.EDIT_PIPELINE if references else family.PIPELINE
+    imports = sorted({pipeline, *([swap[0]] if swap else [])})
     options = "".join(f", {key}={literal(value)}" for key, value in (load or {}).items())
-    lines = ["import torch", f"from diffusers import {', '.join(imports)}", "",
-             f"pipe = {family.PIPELINE}.from_pretrained({literal(base)}{options})"]
+    lines = ["import torch", f"from diffusers import {', '.join(imports)}",
+             *(["from diffusers.utils import load_image"] if references else []), "",
+             f"pipe = {pipeline}.from_pretrained({literal(base)}{options})"]
     if swap:
         settings = "".join(f", {key}={literal(value)}" for key, value in swap[1].items())
         lines.append(f"pipe.scheduler = {swap[0]}.from_config(pipe.scheduler.config{settings})")
     if lora:
         lines.append(f"pipe.load_lora_weights({literal(lora)})")
+    lines += [f"{reference_name(i, references)} = load_image({literal(path)})" for i, path in enumerate(references)]
     head = "image = pipe("
-    parts = [prompt_argument(family, prompt), *(f"{key}={literal(value)}" for key, value in call.items()),
+    parts = [prompt_argument(pipeline, prompt), *(f"{key}={literal(value)}" for key, value in call.items()),
              f"generator=torch.Generator().manual_seed({seed})"]
     line = head
     for i, part in enumerate(parts):
@@ -172,18 +187,36 @@ def loading_options(family, revision=None, variant=None, drop_t5=False):
     return {**options, **{name: None for name in (family.OPTIONAL_COMPONENTS or ()) if drop_t5}}
 
 
-def model_snippet(family, path, prompt, info, base=None, lora=None, unconditional=False, cache_dir=None):
+def reference_name(i, references):
+    return f"reference_{i + 1}" if len(references) > 1 else "reference"
+
+
+def model_snippet(family, path, prompt, info, base=None, lora=None, unconditional=False, cache_dir=None,
+                  references=()):
     """The card's snippet (pipeline_snippet): the pipeline at `path` (with the LoRA folder `lora`) drawing `prompt` at
     the defaults sample.py takes for the model: sampling_defaults of the base `base` (default `path`) with `info`, a
-    LoRA's lora_info.json or what a run records alike (its resolution, T5 length, revision). Reads configs, no
-    weights."""
+    LoRA's lora_info.json or what a run records alike (its resolution, T5 length, revision); an edit LoRA's from its
+    `references` (image files), at the first one's aspect ratio. Reads configs, no weights."""
     from .base_models import component_configs
 
     revision = info.get("revision")
-    config = component_configs(path, (family.DENOISER,), revision, cache_dir)[family.DENOISER]
+    configs = component_configs(path, ("vae", family.DENOISER), revision, cache_dir)
+    config = configs[family.DENOISER]
     defaults = sampling_defaults(family, base or path, config, info, unconditional)
-    call = call_kwargs(family, config, defaults["height"], defaults["width"], defaults["num_inference_steps"],
-                       defaults["guidance_scale"], defaults["max_sequence_length"])
+    height, width = defaults["height"], defaults["width"]
+    if references:  # (sample.py --image: at the reference's aspect ratio)
+        from PIL import Image
+
+        from .references import reference_size
+
+        if height and width and os.path.isfile(references[0]):
+            with Image.open(references[0]) as image:
+                height, width = reference_size(image, height, width, family.resolution_factor(configs))
+    call = call_kwargs(family, config, height, width, defaults["num_inference_steps"], defaults["guidance_scale"],
+                       defaults["max_sequence_length"])
+    if references:
+        codes = [ReferenceCode(reference_name(i, references)) for i in range(len(references))]
+        call = {**family.reference_kwargs(codes, height, width), **call}
     swap = scheduler_swap(family, base_scheduler(path, revision, cache_dir), info.get("prediction_type"))
     load = loading_options(family, revision, info.get("variant"), defaults["drop_t5"])
-    return pipeline_snippet(family, path, prompt, call, lora=lora, swap=swap, load=load)
+    return pipeline_snippet(family, path, prompt, call, lora=lora, swap=swap, load=load, references=references)

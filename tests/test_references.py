@@ -228,6 +228,17 @@ def test_sample_py_with_an_image_is_the_edit_pipeline(edit_run, tmp_path):
     assert np.abs(drawn - pixels(run.out / "samples" / "step-4" / "0-0.png")).max() <= 1
 
 
+def test_the_card_draws_what_sample_py_with_an_image_draws(edit_run, tmp_path, monkeypatch):
+    """The edit LoRA's model card: its edit pipeline from the run's validation reference, run as printed, draws what
+    sample.py --image draws."""
+    from test_snippets import card_draws_what_sample_py_draws
+
+    run = edit_run
+    code = card_draws_what_sample_py_draws(run.out, tmp_path, monkeypatch, flags=("--image", str(run.reference())))
+    assert f"pipe = {EDITS[run.name][1]}.from_pretrained(" in code and f'load_image("{run.reference()}")' in code
+    assert f"--image {run.reference()}" in (run.out / "README.md").read_text()
+
+
 def test_two_processes_with_missing_references(request, tmp_path):
     """Two CPU processes, three training images without their reference (--allow_missing_control): batches all with
     or all without references, the run finishes and saves."""

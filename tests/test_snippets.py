@@ -84,15 +84,15 @@ def pixels(path):
     return np.asarray(Image.open(path).convert("RGB")).astype(int)
 
 
-def card_draws_what_sample_py_draws(model, tmp_path, monkeypatch, substitutions=None):
+def card_draws_what_sample_py_draws(model, tmp_path, monkeypatch, substitutions=None, flags=()):
     """The model card of `model` (a train_lora.py or train_text_to_image.py output, a shipped base): its code, run as
-    printed, draws what `python sample.py --model <model> --prompt <its prompt> --seed <its seed>` draws, within one
-    level. -> the code."""
+    printed, draws what `python sample.py --model <model> --prompt <its prompt> --seed <its seed> <flags>` draws
+    (an edit LoRA's: --image <its reference>), within one level. -> the code."""
     code = card_code(model)
     with one_thread():
         run_code(code, tmp_path, monkeypatch, substitutions)
         prompt, seed = called_prompt_and_seed(code)
-        drawn = sample_py(model, prompt, seed, tmp_path / "sample_py")
+        drawn = sample_py(model, prompt, seed, tmp_path / "sample_py", *flags)
     card = pixels(tmp_path / "sample.png")
     assert card.shape == drawn.shape and np.abs(card - drawn).max() <= 1, np.abs(card - drawn).max()
     return code
