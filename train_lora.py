@@ -2,20 +2,20 @@
 """Fine-tune a text-to-image diffusion model with LoRA (peft) on captioned images, the accelerate way.
 
 SD 1.x/2.x and XL (a UNet on DDPM noise), SD 3, Flux.1, FLUX.2, Qwen-Image, Z-Image (transformers trained by flow
-matching): the base's model_index.json names its family, whose module (common/families/) loads it, embeds prompts
-(SDXL: two CLIPs, pooled embedding, each image's size "time ids"; SD3: two CLIPs and T5; Flux.1: CLIP pooled, T5,
-packed latents, guidance input; the newer bases: an LLM's hidden states) and calls its denoiser. The denoiser frozen,
-LoRA (init_lora_weights="gaussian") on its attention projections
-(optionally on the CLIP text encoders too), trained on the family's objective (common/objectives.py; the other
-objective's flags are refused); frozen weights in fp16/bf16, LoRA in fp32; latents (--cache_latents) and prompt
-embeddings computed once, then the text encoders leave the accelerator; caption dropout, an EMA of the LoRA weights
-(--use_ema: what gets exported), validation images, a held-out loss, resumable checkpoints. Also DreamBooth with prior
-preservation (common/dreambooth.py: class images the base draws once), a loss mask per image (--masked_loss,
-common/loss_masks.py), edit LoRAs from reference images paired by name (--control_data_dir: FLUX.1 Kontext's way,
-common/references.py, `make train-edit-lora`), and LyCORIS's LoHa and LoKr instead of LoRA (--adapter, peft). Writes
-pytorch_lora_weights.safetensors (`pipe.load_lora_weights(output_dir)`; LoHa/LoKr: peft_adapter_weights.safetensors,
-which sample.py loads through peft), beside it pytorch_lora_weights_ui.safetensors for ComfyUI, Forge and A1111, a
-model card, and lora_info.json, from which sample.py finds the base model.
+matching): the base's model_index.json names its family, whose module (common/families/) loads it, embeds prompts (SDXL:
+two CLIPs, pooled embedding, each image's size "time ids"; SD3: two CLIPs and T5; Flux.1: CLIP pooled, T5, packed
+latents, guidance input; the newer bases: an LLM's hidden states) and calls its denoiser. The denoiser frozen, LoRA
+(init_lora_weights="gaussian") on its attention projections (optionally on the CLIP text encoders too), trained on the
+family's objective (common/objectives.py; the other objective's flags are refused); frozen weights in fp16/bf16, LoRA in
+fp32; latents (--cache_latents) and prompt embeddings computed once, then the text encoders leave the accelerator;
+caption dropout, an EMA of the LoRA weights (--use_ema: what gets exported), validation images, a held-out loss,
+resumable checkpoints. Also DreamBooth with prior preservation (common/dreambooth.py: class images the base draws once),
+a loss mask per image (--masked_loss, common/loss_masks.py), edit LoRAs from reference images paired by name
+(--control_data_dir: FLUX.1 Kontext, FLUX.2; common/references.py, `make train-edit-lora`), and LyCORIS's LoHa and LoKr
+instead of LoRA (--adapter, peft). Writes pytorch_lora_weights.safetensors (`pipe.load_lora_weights(output_dir)`;
+LoHa/LoKr: peft_adapter_weights.safetensors, which sample.py loads through peft), beside it
+pytorch_lora_weights_ui.safetensors for ComfyUI, Forge and A1111, a model card, and lora_info.json, from which sample.py
+finds the base model.
 
 Defaults suit a real base: --resolution is the base's native size (its VAE's sample_size, 512 for SD 1.5),
 --learning_rate 1e-4, --train_batch_size 16, as in diffusers' LoRA example.
@@ -72,21 +72,22 @@ from common.args import (
     positive_int,
     probability,
 )
-from common.base_models import SHIPPED_BASE, add_base_model_args, check_base_args, size_factor
-from common.block_swap import add_block_swap_args
-from common.buckets import check_bucket_resolution
+from common.base_models import SHIPPED_BASE, add_base_model_args, check_base_args, lora_dtypes, size_factor
+from common.block_swap import add_block_swap_args, check_block_swap
+from common.buckets import batching, bucket_images, check_bucket_resolution, validation_sizes
 from common.caption_files import caption_folder_reader, check_caption_args
 from common.checkpoints import agreed_checkpoint, detect_shared_output_dir, read_checkpoint_info, resolve_resume
 from common.cli import quiet_loading_bars, run
 from common.dreambooth import add_dreambooth_args, check_dreambooth_args
+from common.fsdp import full_models, uniform_dtype
 from common.lora_adapters import add_adapter_args, check_lora_args, check_resumed_lora, comma_list, is_adapter_weight
 from common.lora_files import LORA_EMA_STATE, lora_info
 from common.loss_masks import base_prediction, check_mask_args, latent_mask, masked_prior_losses
 from common.objectives import add_objective_args
 from common.optimizers import OPTIMIZERS, add_optimizer_args, check_optimizer_args
-from common.references import add_reference_args, check_reference_args
+from common.references import add_reference_args, check_reference_args, paired_references
 from common.training import add_ema_args, check_resumed_ema, ema_weights, set_cuda_backends
-from common.validation_images import add_validation_image_args
+from common.validation_images import add_validation_image_args, check_validation_image_args, validation_images
 
 
 def parse_args(argv=None):
@@ -192,8 +193,6 @@ def main(args):
     preemption = PreemptionGuard(accelerator, check_every=args.logging_steps)
     set_cuda_backends(args.allow_tf32, args.allow_cudnn_attention)
     # <domain: weight dtypes>
-    from common.base_models import lora_dtypes
-
     # Read the accelerator's precision, not the flag: an accelerate yaml may ask for fp16 too.
     weight_dtype, lora_dtype = lora_dtypes(accelerator.mixed_precision)
     # </domain>
@@ -201,13 +200,9 @@ def main(args):
     # 2. Data: images decoded once; each image's captions as indices into the distinct prompts ("" for dropout).
     # <domain: data>
     from common.base_models import base_resolution, check_family_args
-    from common.block_swap import check_block_swap
-    from common.buckets import batching, bucket_images, validation_sizes
     from common.dreambooth import PriorLoss, class_images, instance_reader, prior_batching, with_class_images
     from common.families import load_family, read_model_index
     from common.image_data import CachedLatents, Captions, collate_batch, image_datasets, require_columns
-    from common.references import paired_references
-    from common.validation_images import check_validation_image_args
     from common.validation_loss import HeldOutLoss, load_with_validation
 
     path, flag = args.pretrained_model_name_or_path, "--pretrained_model_name_or_path"
@@ -250,7 +245,6 @@ def main(args):
     from diffusers.training_utils import EMAModel, cast_training_params
 
     from common.base_models import load_parts, offload_idle_models
-    from common.fsdp import uniform_dtype
     from common.lora_adapters import add_lora, place_frozen_denoiser, quantization_config
     from common.objectives import make_objective
     from common.prompts import Conditioning
@@ -409,9 +403,6 @@ def main(args):
     skipped_steps = 0
     group_names = [group["name"] for group in optimizer.param_groups]
     # <domain: validation>
-    from common.fsdp import full_models
-    from common.validation_images import validation_images
-
     def validate(step, images=True):  # the held-out loss and images of the current LoRA (its EMA with --use_ema)
         full = full_models(accelerator, dict(zip(trained, models)))  # (under FSDP: gathered on every process)
         model = full[family.DENOISER]
