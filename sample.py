@@ -361,6 +361,7 @@ def check_sample_flags(args, family, base, flag):
     if args.image:  # each at least what the edit pipeline packs into one token
         factor = family.resolution_factor(component_configs(base, ("vae", family.DENOISER), flag=flag))
         check_references(open_images(args.image, "--image"), args.image, "--image", family, factor)
+        check_drawing_size(family, args.height, args.width, factor)
     if args.scheduler and args.scheduler not in family.SAMPLERS:
         raise UserError(f"--scheduler {args.scheduler}: {family.NAME} bases sample with "
                         f"{', '.join(sorted(family.SAMPLERS))}")

@@ -109,8 +109,9 @@ def check_family_references(family, count, flag, base):
     """A base takes at most family.REFERENCES reference images: one line for more, or for any on a base that takes
     none."""
     if count and not family.REFERENCES:
-        raise UserError(f"{flag}: the base model '{base}' ({family.NAME}) takes no reference images; an edit LoRA "
-                        "needs a base whose family has an edit pipeline (Flux.1: FLUX.1 Kontext; FLUX.2)")
+        why = getattr(family, "NO_REFERENCES", None) or ("an edit LoRA needs a base whose family has an edit pipeline "
+                                                         "(Flux.1: FLUX.1 Kontext; FLUX.2)")
+        raise UserError(f"{flag}: the base model '{base}' ({family.NAME}) takes no reference images here; {why}")
     if count > family.REFERENCES:
         raise UserError(f"{flag}: {count} reference images, but {family.EDIT_PIPELINE} takes at most "
                         f"{family.REFERENCES}; give at most {family.REFERENCES}")
@@ -353,12 +354,13 @@ def reference_size(image, height, width, factor):
 
 
 def check_drawing_size(family, height, width, factor):
-    """sample.py draws from references resized to the drawing's size: at least what the edit pipeline takes."""
+    """sample.py draws from references resized to the drawing's size: at least what the edit pipeline takes (a side
+    that is None: not checked)."""
     smallest = smallest_reference(family, factor)
-    if min(height, width) < smallest:
-        raise UserError(f"{width}x{height} px: {family.EDIT_PIPELINE} takes reference images of at least {smallest} px "
-                        "a side, and they are drawn from at the drawing's size; give --height and --width of at least "
-                        f"{smallest}")
+    if min(height or smallest, width or smallest) < smallest:
+        raise UserError(f"{width or '(default)'}x{height or '(default)'} px: {family.EDIT_PIPELINE} takes reference "
+                        f"images of at least {smallest} px a side, and they are drawn from at the drawing's size; give "
+                        f"--height and --width of at least {smallest}")
 
 
 @contextlib.contextmanager

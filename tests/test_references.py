@@ -341,7 +341,23 @@ BAD = {
     "five-references-for-klein": ("klein-five", "5 reference images", "Flux2KleinPipeline takes at most 4"),
     "seven-references-for-flux2-dev": ("dev-seven", "7 reference images", "Flux2Pipeline takes at most 6"),
     "flux2-references-trained-at-32-px": ("klein-32", "--resolution 32", "at least 64 px a side", "--resolution 64"),
+    "references-on-qwen-image": ("qwen", "(Qwen-Image) takes no reference images here", "Qwen2VLProcessor",
+                                 "torchvision", "not supported yet"),
+    "a-qwen-image-edit-base": ("qwen-edit", "is a QwenImageEditPlusPipeline base", "not supported yet"),
 }
+
+
+@pytest.fixture(scope="module")
+def qwen_image_edit(tiny_qwen_image, tmp_path_factory):
+    """The tiny Qwen-Image's folder as a Qwen-Image-Edit-Plus base (its model_index.json's class; the parts linked)."""
+    folder = tmp_path_factory.mktemp("models") / "tiny-qwen-image-edit"
+    folder.mkdir()
+    for part in tiny_qwen_image.iterdir():
+        if part.name != "model_index.json":
+            (folder / part.name).symlink_to(part)
+    index = json.loads((tiny_qwen_image / "model_index.json").read_text())
+    (folder / "model_index.json").write_text(json.dumps({**index, "_class_name": "QwenImageEditPlusPipeline"}))
+    return folder
 
 
 @pytest.mark.parametrize("case", sorted(BAD))
@@ -367,6 +383,8 @@ def test_bad_pairs_are_one_line_and_write_nothing(case, pairs, tiny_flux, tiny_s
         first.write_bytes(b"not an image")
     elif kind == "sd":
         base = tiny_sd
+    elif kind.startswith("qwen"):
+        base = request.getfixturevalue("qwen_image_edit" if kind == "qwen-edit" else "tiny_qwen_image")
     elif kind == "two":
         extra = ["--control_data_dir", controls]
     elif kind == "prior":

@@ -20,6 +20,8 @@ from ..cli import UserError, first_line
 FAMILIES = {"StableDiffusionXLPipeline": "sdxl", "Flux2KleinPipeline": "flux2_klein", "Flux2Pipeline": "flux2",
             "FluxPipeline": "flux", "FluxKontextPipeline": "flux", "StableDiffusion3Pipeline": "sd3",
             "QwenImagePipeline": "qwen_image", "ZImagePipeline": "z_image", "StableDiffusionPipeline": "sd"}
+# Known bases a family refuses, with its module's NO_REFERENCES as the reason.
+REFUSED = {"QwenImageEditPipeline": "qwen_image", "QwenImageEditPlusPipeline": "qwen_image"}
 UNET_PREFIXES = ("unet.", "lora_unet_down_blocks_", "lora_unet_up_blocks_", "lora_unet_mid_block_")
 TRANSFORMER_PREFIXES = ("transformer.", "lora_transformer_")
 
@@ -53,6 +55,8 @@ def family_of(path, flag, revision=None, cache_dir=None, uses="train_lora.py tra
     """The family name ("sd", "sdxl", "sd3", "flux") of the base at `path`, from its model_index.json's pipeline
     class; any other class is one line (`uses`: who refuses it, e.g. "sample.py draws from")."""
     name = read_model_index(path, flag, revision, cache_dir).get("_class_name")
+    if name in REFUSED:  # a known base that its family's module refuses, with its reason
+        raise UserError(f"{flag} '{path}' is a {name} base: {family_module(REFUSED[name]).NO_REFERENCES}")
     if name not in FAMILIES:
         raise UserError(f"{flag} '{path}': its model_index.json names the pipeline class {name!r}; {uses} "
                         f"{', '.join(FAMILIES)} bases")

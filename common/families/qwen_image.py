@@ -14,7 +14,8 @@ pipeline), zeros after each prompt's end and a mask that says so: what the pipel
 cached embedding has one shape. LoRA on the text encoder (a 7 B LLM) is not offered.
 
 The packing and the image shapes take extra reference latents after the image's (what Qwen-Image-Edit's pipelines
-give the transformer): `pack_tokens`, `image_shapes` and `denoise(..., references=...)`.
+give the transformer): `pack_tokens`, `image_shapes` and `denoise(..., references=...)`. Edit LoRAs themselves are
+refused (NO_REFERENCES), and so are Qwen-Image-Edit bases (the registry's REFUSED).
 """
 from functools import lru_cache
 
@@ -28,8 +29,12 @@ KEY = "qwen_image"
 NAME = "Qwen-Image"
 PIPELINE = "QwenImagePipeline"
 DENOISER = "transformer"
-REFERENCES = 0  # reference images (edit LoRAs): not yet for this family (docs/train_lora.md)
+REFERENCES = 0  # reference images (edit LoRAs): refused, for NO_REFERENCES
 EDIT_PIPELINE = None
+NO_REFERENCES = ("Qwen-Image-Edit's pipelines also show the reference images to the Qwen2.5-VL text encoder with the "
+                 "instruction, through Qwen2VLProcessor (which needs torchvision), and the recipes embed each caption "
+                 "once, not once per instruction and reference: Qwen-Image-Edit edit LoRAs are not supported yet "
+                 "(docs/train_lora.md)")
 SWAP_BLOCKS = ("transformer_blocks",)  # the denoiser's blocks, in the order its forward runs them
 # What its LoRA files say of their base (musubi-tuner's ss_base_model_version and ModelSpec architecture, by prefix),
 # and tensor names only its LoRAs have: its text and image input layers, the blocks under kohya's and ComfyUI's names
