@@ -45,7 +45,6 @@ from common.references import (
     check_family_references,
     check_references,
     open_images,
-    reference_size,
 )
 
 
@@ -373,6 +372,7 @@ def draw(pipe, family, args, images, params, common, steps, guidance, extra, siz
     """Every prompt x --num_images seeds, in batches (from `references`, PIL images, with the edit pipeline);
     appends to images and params. size: the default (height, width), None for the family's sample size."""
     from common.drawing import draw_images
+    from common.sampling_defaults import reference_size
 
     configs = {"vae": pipe.vae.config, family.DENOISER: getattr(pipe, family.DENOISER).config}
     factor = family.resolution_factor(configs)  # the pipeline would refuse, or change, another size

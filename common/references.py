@@ -344,15 +344,6 @@ def check_references(images, paths, flag, family, factor):
                             f"reference images of at least {smallest} px a side ({why}); give a larger one")
 
 
-def reference_size(image, height, width, factor):
-    """The size drawn from a reference image when none is asked for: the reference's aspect ratio at the area of
-    height x width (the base's default), each side a multiple of `factor`."""
-    aspect = image.size[0] / image.size[1]
-    w = max(factor, round((height * width * aspect) ** 0.5 / factor) * factor)
-    h = max(factor, round((height * width / aspect) ** 0.5 / factor) * factor)
-    return h, w
-
-
 def check_drawing_size(family, height, width, factor):
     """sample.py draws from references resized to the drawing's size: at least what the edit pipeline takes (a side
     that is None: not checked)."""

@@ -187,6 +187,15 @@ def loading_options(family, revision=None, variant=None, drop_t5=False):
     return {**options, **{name: None for name in (family.OPTIONAL_COMPONENTS or ()) if drop_t5}}
 
 
+def reference_size(image, height, width, factor):
+    """The size drawn from a reference image when none is asked for: the reference's aspect ratio at the area of
+    height x width (the base's default), each side a multiple of `factor`."""
+    aspect = image.size[0] / image.size[1]
+    w = max(factor, round((height * width * aspect) ** 0.5 / factor) * factor)
+    h = max(factor, round((height * width / aspect) ** 0.5 / factor) * factor)
+    return h, w
+
+
 def reference_name(i, references):
     return f"reference_{i + 1}" if len(references) > 1 else "reference"
 
@@ -206,8 +215,6 @@ def model_snippet(family, path, prompt, info, base=None, lora=None, unconditiona
     height, width = defaults["height"], defaults["width"]
     if references:  # (sample.py --image: at the reference's aspect ratio)
         from PIL import Image
-
-        from .references import reference_size
 
         if height and width and os.path.isfile(references[0]):
             with Image.open(references[0]) as image:

@@ -21,7 +21,8 @@ def validation_images(args, accelerator, family, parts, scheduler, step, sizes=N
     from .reporting import log_image
 
     if references:  # (edit LoRAs)
-        from .references import adapters_off, reference_size, side_by_side
+        from .references import adapters_off, side_by_side
+        from .sampling_defaults import reference_size
 
     paths = []
     if accelerator.is_main_process:
