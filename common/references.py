@@ -83,6 +83,8 @@ def check_reference_args(args, family=None):
     from .base_models import size_factor
 
     smallest = smallest_reference(family, size_factor(args.pretrained_model_name_or_path, family)) if family else None
+    if smallest and args.resolution:  # (the base's native size, or a hub base's: in main)
+        check_resolution(args.resolution, family, smallest)
     files = {}
     for folder in args.control_data_dir:
         if not os.path.isdir(folder):
@@ -103,6 +105,14 @@ def smallest_reference(family, factor):
     """The smallest side of a reference image the base's edit pipeline takes: one token (`factor` px), or more where
     the pipeline says so (FLUX.2: REFERENCE_MIN_SIDE)."""
     return max(factor, getattr(family, "REFERENCE_MIN_SIDE", 0))
+
+
+def check_resolution(resolution, family, smallest):
+    """The references train at their training image's size: --resolution at least what the edit pipeline takes."""
+    if resolution < smallest:
+        raise UserError(f"--resolution {resolution}: {family.EDIT_PIPELINE} takes reference images of at least "
+                        f"{smallest} px a side, and they train at their training image's size; give --resolution "
+                        f"{smallest} or more")
 
 
 def check_family_references(family, count, flag, base):
@@ -163,10 +173,7 @@ def paired_references(args, family, train_ds, held_out_ds):
     flag, base = reference_flag(args), args.pretrained_model_name_or_path
     check_family_references(family, count, flag, base)  # (a hub base: now that its family is known)
     smallest = smallest_reference(family, size_factor(base, family, args.revision, args.cache_dir))
-    if args.resolution < smallest:  # (the references train at their training image's size)
-        raise UserError(f"--resolution {args.resolution}: {family.EDIT_PIPELINE} takes reference images of at least "
-                        f"{smallest} px a side, and they train at their training image's size; give --resolution "
-                        f"{smallest} or more")
+    check_resolution(args.resolution, family, smallest)
     train = dataset_controls(args, train_ds, smallest)
     held_out = None if held_out_ds is None else dataset_controls(args, held_out_ds, smallest)
     if held_out is not None and not all(all(row) for row in held_out):

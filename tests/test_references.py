@@ -27,12 +27,12 @@ EDITS = {"flux": ("tiny_flux", "FluxKontextPipeline", 32),
          "flux2_klein": ("tiny_flux2_klein", "Flux2KleinPipeline", 64)}
 
 
-def write_pairs(digits, root, size):
-    """20 digits inverted (the targets, captioned with the instruction) and the digits themselves (the references),
-    same names, in two folders, at `size` px."""
+def write_pairs(digits, root, size, count=20):
+    """`count` digits inverted (the targets, captioned with the instruction) and the digits themselves (the
+    references), same names, in two folders, at `size` px."""
     (root / "targets").mkdir(parents=True)
     (root / "controls").mkdir()
-    names = sorted(p.name for p in (digits / "train").glob("*.png"))[:20]
+    names = sorted(p.name for p in (digits / "train").glob("*.png"))[:count]
     with open(root / "targets" / "metadata.jsonl", "w") as f:
         for name in names:
             image = Image.open(digits / "train" / name).convert("RGB").resize((size, size), Image.BICUBIC)
@@ -49,7 +49,7 @@ def pairs(digits, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def pairs64(digits, tmp_path_factory):
-    return write_pairs(digits, tmp_path_factory.mktemp("pairs64"), 64)
+    return write_pairs(digits, tmp_path_factory.mktemp("pairs64"), 64, count=10)  # (8 train, 2 held out)
 
 
 class Edit:
