@@ -186,6 +186,18 @@ def test_an_edit_lora_loads_back_exactly(edit_run):
     assert set(results["validation_losses"]) == {"0", "4"}  # the held-out pairs' loss, with their references
     side = Image.open(run.out / "samples" / "step-4" / "0-side_by_side.png")
     assert side.size == (3 * run.size, run.size)
+    if run.name == "flux2_klein":  # the UI file: FLUX.2's, under ComfyUI's map (pinned), read back by diffusers too
+        import gzip
+
+        from conftest import ROOT
+
+        with gzip.open(ROOT / "tests" / "data" / "comfyui_lora_keys_flux2.json.gz", "rt") as f:
+            comfyui = json.load(f)["flux2"]
+        ui = load_file(run.out / "pytorch_lora_weights_ui.safetensors")
+        assert {key.rsplit(".", 2 if key.endswith(".weight") else 1)[0] for key in ui} <= set(comfyui)
+        pipe = run.pipeline()
+        pipe.load_lora_weights(run.out, weight_name="pytorch_lora_weights_ui.safetensors")
+        assert (fixed_outputs(run, pipe) - want).abs().max() < 1e-5
 
 
 def test_an_edit_lora_resumes_exactly(edit_run, tmp_path):
