@@ -1,6 +1,6 @@
 """Edit LoRAs: each training image (the target) paired with one or more reference images (its controls), which the
 base is given beside the noisy latents, as FLUX.1 Kontext is trained (diffusers' train_dreambooth_lora_flux_kontext.py
-and FluxKontextPipeline).
+and FluxKontextPipeline) and FLUX.2 takes references (Flux2KleinPipeline, Flux2Pipeline).
 
 Pairs: --control_data_dir, given once per reference, holds a file of the same name (any image extension) for each
 training image (ai-toolkit's layout: `cat/01.png` of --train_data_dir is paired with `cat/01.<ext>` there; files that
@@ -15,8 +15,10 @@ with references or all without), and held-out images without theirs are left out
 The reference latents are the mean of the VAE's latent distribution, normalized as the target's (the pipelines encode
 the reference with sample_mode="argmax"); the family turns them into tokens appended to the image tokens, with their
 own position ids (`family.denoise` reads `cond["reference_latents"]`: a list, one [B, C, h, w] tensor per reference),
-and the loss is on the target tokens only. A family says how many references its base takes (REFERENCES, 0: none),
-which pipeline draws with them (EDIT_PIPELINE) and with which call arguments (`family.reference_kwargs`).
+and the loss is on the target tokens only. A family says how many references its base takes (REFERENCES, 0: none;
+NO_REFERENCES, if set, why), which pipeline draws with them (EDIT_PIPELINE) and with which call arguments
+(`family.reference_kwargs`), and where that pipeline takes larger references than one token, the smallest side
+(REFERENCE_MIN_SIDE: FLUX.2's image processor's 64 px).
 """
 import contextlib
 import os

@@ -34,7 +34,7 @@ EDIT_PIPELINE = None
 NO_REFERENCES = ("Qwen-Image-Edit's pipelines also show the reference images to the Qwen2.5-VL text encoder with the "
                  "instruction, through Qwen2VLProcessor (which needs torchvision), and the recipes embed each caption "
                  "once, not once per instruction and reference: Qwen-Image-Edit edit LoRAs are not supported yet "
-                 "(docs/train_lora.md)")
+                 "(docs/train_lora.md); train them on a FLUX.1 Kontext or FLUX.2 base")
 SWAP_BLOCKS = ("transformer_blocks",)  # the denoiser's blocks, in the order its forward runs them
 # What its LoRA files say of their base (musubi-tuner's ss_base_model_version and ModelSpec architecture, by prefix),
 # and tensor names only its LoRAs have: its text and image input layers, the blocks under kohya's and ComfyUI's names
