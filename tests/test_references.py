@@ -220,22 +220,21 @@ def pixels(path):
 def test_sample_py_with_an_image_is_the_edit_pipeline(edit_run, tmp_path):
     """sample.py --image on the run's output draws what the edit pipeline draws with the LoRA loaded (within one
     level), and what the run drew for its last validation from the same reference."""
+    from test_snippets import one_thread, sample_py
+
     run = edit_run
     reference = run.reference()
-    proc = run_script("sample.py", "--model", run.out, "--image", reference, "--prompt", INSTRUCTION,
-                      "--num_images", "1", "--num_inference_steps", "2", "--seed", "42", "--output_dir", tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    drawn = pixels(tmp_path / "0000.png")
-    params = json.loads(Image.open(tmp_path / "0000.png").text["parameters"])
-    assert params["image"] == str(reference)
-    pipe = run.pipeline()
-    pipe.load_lora_weights(run.out)
-    torch.set_num_threads(1)  # as sample.py ran (OMP_NUM_THREADS=1): the same float order
-    size, image = run.size, Image.open(reference).convert("RGB")
-    kwargs = {"max_area": size * size, "_auto_resize": False} if run.name == "flux" else {}
-    kwargs.update(run.family.guidance_kwargs(pipe.transformer.config, params["guidance_scale"], 1)[0])
-    image = pipe(image=image, prompt=INSTRUCTION, num_inference_steps=2, height=size, width=size,
-                 max_sequence_length=8, generator=torch.Generator().manual_seed(42), **kwargs).images[0]
+    with one_thread():  # (sample.py's subprocesses run on one: the same float order)
+        drawn = sample_py(run.out, INSTRUCTION, 42, tmp_path, "--image", str(reference), "--num_inference_steps", "2")
+        params = json.loads(Image.open(tmp_path / "0000.png").text["parameters"])
+        assert params["image"] == str(reference)
+        pipe = run.pipeline()
+        pipe.load_lora_weights(run.out)
+        size, image = run.size, Image.open(reference).convert("RGB")
+        kwargs = {"max_area": size * size, "_auto_resize": False} if run.name == "flux" else {}
+        kwargs.update(run.family.guidance_kwargs(pipe.transformer.config, params["guidance_scale"], 1)[0])
+        image = pipe(image=image, prompt=INSTRUCTION, num_inference_steps=2, height=size, width=size,
+                     max_sequence_length=8, generator=torch.Generator().manual_seed(42), **kwargs).images[0]
     assert np.abs(drawn - np.asarray(image).astype(int)).max() <= 1
     assert np.abs(drawn - pixels(run.out / "samples" / "step-4" / "0-0.png")).max() <= 1
 
