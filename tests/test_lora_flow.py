@@ -16,6 +16,7 @@ import torch
 from conftest import ROOT, assert_one_line_error, launch, logged_losses, read_results, run_script
 from PIL import Image
 from safetensors.torch import load_file
+from test_snippets import one_thread, pixels, sample_py
 
 from common.families import family_module
 
@@ -158,37 +159,29 @@ def test_resume_is_exact(trained, digits, tmp_path):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def pixels(path):
-    return np.asarray(Image.open(path).convert("RGB")).astype(int)
-
-
 def test_sample_py_is_the_pipeline_and_the_validation_image(trained, tmp_path):
     """sample.py on the run's output draws what the pipeline draws with the LoRA loaded (within one level), and what
     the run drew for its last validation (same prompt, seed, steps, sampler)."""
     name, base, out = trained
-    proc = run_script("sample.py", "--model", out, "--prompt", "a handwritten digit seven", "--num_images", "1",
-                      "--num_inference_steps", "2", "--seed", "42", "--output_dir", tmp_path, *SIZE)  # (the run's seed)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    drawn = pixels(tmp_path / "0000.png")
-    params = json.loads(Image.open(tmp_path / "0000.png").text["parameters"])
     family = family_module(name)
-    assert params["scheduler"] == "euler"
-    pipe = pipeline(name, base)
-    pipe.load_lora_weights(out)
-    guidance = family.guidance_kwargs(pipe.transformer.config, params["guidance_scale"], 1)[0]  # as sample.py drew
-    torch.set_num_threads(1)  # as sample.py ran (OMP_NUM_THREADS=1): the same float order
-    image = pipe(prompt="a handwritten digit seven", num_inference_steps=2, height=32, width=32,
-                 max_sequence_length=40, generator=torch.Generator().manual_seed(42), **guidance).images[0]
-    assert params["max_sequence_length"] == 40  # the run's T5 length (lora_info.json), sample.py's default
-    assert np.abs(drawn - np.asarray(image).astype(int)).max() <= 1
-    assert np.abs(drawn - pixels(out / "samples" / "step-6" / "0-0.png")).max() <= 1
-    # the base alone: sample.py's defaults are the pipeline's own (steps aside), at the base's T5 length
-    proc = run_script("sample.py", "--model", base, "--prompt", "a handwritten digit seven", "--num_images", "1",
-                      "--num_inference_steps", "2", "--output_dir", tmp_path / "base", *SIZE)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    plain = pipeline(name, base)(prompt="a handwritten digit seven", num_inference_steps=2, height=32, width=32,
-                                 generator=torch.Generator().manual_seed(0), **guidance).images[0]
-    assert np.abs(pixels(tmp_path / "base" / "0000.png") - np.asarray(plain).astype(int)).max() <= 1
+    with one_thread():  # as sample.py and the run draw (OMP_NUM_THREADS=1): the same float order
+        drawn = sample_py(out, "a handwritten digit seven", 42, tmp_path, "--num_inference_steps", "2", *SIZE)
+        params = json.loads(Image.open(tmp_path / "0000.png").text["parameters"])
+        assert params["scheduler"] == "euler"
+        pipe = pipeline(name, base)
+        pipe.load_lora_weights(out)
+        guidance = family.guidance_kwargs(pipe.transformer.config, params["guidance_scale"], 1)[0]  # as drawn
+        image = pipe(prompt="a handwritten digit seven", num_inference_steps=2, height=32, width=32,
+                     max_sequence_length=40, generator=torch.Generator().manual_seed(42), **guidance).images[0]
+        assert params["max_sequence_length"] == 40  # the run's T5 length (lora_info.json), sample.py's default
+        assert np.abs(drawn - np.asarray(image).astype(int)).max() <= 1
+        assert np.abs(drawn - pixels(out / "samples" / "step-6" / "0-0.png")).max() <= 1
+        # the base alone: sample.py's defaults are the pipeline's own (steps aside), at the base's T5 length
+        plain_drawn = sample_py(base, "a handwritten digit seven", 0, tmp_path / "base", "--num_inference_steps", "2",
+                                *SIZE)
+        plain = pipeline(name, base)(prompt="a handwritten digit seven", num_inference_steps=2, height=32, width=32,
+                                     generator=torch.Generator().manual_seed(0), **guidance).images[0]
+    assert np.abs(plain_drawn - np.asarray(plain).astype(int)).max() <= 1
 
 
 def test_the_card_code_draws_what_sample_py_draws(trained, tmp_path, monkeypatch):
@@ -201,13 +194,15 @@ def test_the_card_code_draws_what_sample_py_draws(trained, tmp_path, monkeypatch
     assert "height=32," in code and "max_sequence_length=40" in code  # (the guidance: the family's, as drawn above)
 
 
-def test_inspect_traces_the_flow_pipeline(trained):
+def test_inspect_traces_the_flow_pipeline(trained, capsys):
     name, base, _ = trained
     cfg = ["--guidance_scale", "4"] if name == "qwen_image" else []  # (true CFG, which it draws without by default)
-    proc = run_script("inspect_pipeline.py", base, "--trace", "--json", "--num_inference_steps", "2",
-                      "--prompt", "a handwritten digit seven", *SIZE, *cfg)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    report = json.loads(proc.stdout)
+    import inspect_pipeline  # (in this process: its imports are already here)
+
+    with one_thread():
+        inspect_pipeline.main(inspect_pipeline.parse_args([str(base), "--trace", "--json", "--num_inference_steps",
+                                                           "2", "--prompt", "a handwritten digit seven", *SIZE, *cfg]))
+    report = json.loads(capsys.readouterr().out)
     stages = report["trace"]["stages"]
     schedule = next(s for s in stages if s["stage"] == "scheduler.set_timesteps")
     assert schedule["sigmas"][0] == 1.0 and schedule["sigmas"][-1] == 0.0 and len(schedule["sigmas"]) == 3
@@ -252,17 +247,16 @@ def test_inspect_traces_the_flow_pipeline(trained):
         assert report["trace"]["guided"] and t5["last_hidden_state"] == [1, 256, 96]
 
 
-@pytest.mark.parametrize("name", ONE_VARIANT)
-def test_two_processes(name, bases, digits, tmp_path):
-    """Two CPU processes: the held-out loss at step 0 is the one-process value (the images are shared out and the
-    sums reduced), the run finishes and saves."""
-    args = ["--train_data_dir", digits, "--pretrained_model_name_or_path", bases[name], *STEPS,
-            "--max_train_steps", "2", "--validation_split", "0.1"]
-    one = launch("train_lora.py", *args, "--output_dir", tmp_path / "one")
-    two = launch("train_lora.py", *args, "--output_dir", tmp_path / "two", config="cpu_2proc.yaml")
-    assert "2 process(es)" in two.stderr and one.returncode == 0
-    assert read_results(tmp_path / "two")["num_processes"] == 2
-    assert abs(read_results(tmp_path / "one")["validation_losses"]["0"]
+@pytest.mark.parametrize("trained", ONE_VARIANT, indirect=True)
+def test_two_processes(trained, digits, tmp_path):
+    """Two CPU processes on the trained run's flags: the held-out loss at step 0 is the one-process run's (the images
+    are shared out and the sums reduced), the run finishes and saves."""
+    name, base, out = trained
+    two = launch("train_lora.py", "--train_data_dir", digits, "--pretrained_model_name_or_path", base, *STEPS,
+                 "--validation_split", "0.1", *family_flags(name, base), "--max_train_steps", "2", "--output_dir",
+                 tmp_path / "two", config="cpu_2proc.yaml")
+    assert "2 process(es)" in two.stderr and read_results(tmp_path / "two")["num_processes"] == 2
+    assert abs(read_results(out)["validation_losses"]["0"]
                - read_results(tmp_path / "two")["validation_losses"]["0"]) < 1e-5
     assert (tmp_path / "two" / "pytorch_lora_weights.safetensors").is_file()
 
@@ -504,15 +498,14 @@ def test_sample_py_draws_a_distilled_base_as_its_model_card_says(tiny_z_image, t
     base = tmp_path / "turbo"
     shutil.copytree(tiny_z_image, base)
     (base / "README.md").write_text(TURBO_CARD)
-    proc = run_script("sample.py", "--model", base, "--prompt", "a handwritten digit seven", "--num_images", "1",
-                      "--height", "32", "--width", "32", "--output_dir", tmp_path / "s")  # (the card's is 1024)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    params = json.loads(Image.open(tmp_path / "s" / "0000.png").text["parameters"])
-    assert params["num_inference_steps"] == 9 and params["guidance_scale"] == 0.0
-    torch.set_num_threads(1)  # as sample.py ran (OMP_NUM_THREADS=1): the same float order
-    image = ZImagePipeline.from_pretrained(base)("a handwritten digit seven", num_inference_steps=9, guidance_scale=0.0,
-                                                 height=32, width=32, generator=torch.Generator().manual_seed(0))
-    assert np.abs(pixels(tmp_path / "s" / "0000.png") - np.asarray(image.images[0]).astype(int)).max() <= 1
+    with one_thread():  # as sample.py draws (OMP_NUM_THREADS=1): the same float order
+        drawn = sample_py(base, "a handwritten digit seven", 0, tmp_path / "s", "--height", "32", "--width", "32")
+        params = json.loads(Image.open(tmp_path / "s" / "0000.png").text["parameters"])
+        assert params["num_inference_steps"] == 9 and params["guidance_scale"] == 0.0  # (the card's size is 1024)
+        image = ZImagePipeline.from_pretrained(base)("a handwritten digit seven", num_inference_steps=9,
+                                                     guidance_scale=0.0, height=32, width=32,
+                                                     generator=torch.Generator().manual_seed(0))
+    assert np.abs(drawn - np.asarray(image.images[0]).astype(int)).max() <= 1
 
 
 def flux2_lora(name, base, folder, metadata=True):
