@@ -111,6 +111,23 @@ def run_script(script, *args, cwd=ROOT, env=None, timeout=600):
     return subprocess.run(cmd, cwd=cwd, env=env or offline_env(), capture_output=True, text=True, timeout=timeout)
 
 
+def run_in_process(script, *args):
+    """A script's main (sample.py, inspect_pipeline.py) in this process, on one thread as its subprocess runs
+    (OMP_NUM_THREADS=1: the same float order): a success path without a new interpreter's ~5 s of imports. What it
+    prints is the test's (capsys)."""
+    import importlib
+
+    import torch
+
+    module = importlib.import_module(Path(script).stem)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        module.main(module.parse_args([str(arg) for arg in args]))
+    finally:
+        torch.set_num_threads(threads)
+
+
 def assert_one_line_error(proc, *needles):
     """A user mistake: non-zero exit, no traceback, and an `error:` line that says what is wrong."""
     assert proc.returncode != 0, proc.stdout + proc.stderr

@@ -16,6 +16,7 @@ from conftest import (
     logged_losses,
     offline_env,
     read_results,
+    run_in_process,
     run_script,
     signal_when_ready,
 )
@@ -339,18 +340,18 @@ def test_bad_input_is_one_line_and_writes_nothing(trained, digits, tiny_sd, tmp_
     assert sorted(p.name for p in out.iterdir()) == ["checkpoint-6"]
 
 
-def test_sample_py_with_a_train_lora_output_and_another_lora(trained, tiny_sd, digits, tmp_path):
+def test_sample_py_with_a_train_lora_output_and_another_lora(trained, tiny_sd, digits, tmp_path, capsys):
     samples = tmp_path / "samples"
-    proc = run_script("sample.py", "--model", trained, "--lora", f"{trained / KOHYA}:0.5", "--prompt", "a digit one",
-                      "--prompt", "a handwritten digit seven", "--num_images", "2", "--num_inference_steps", "3",
-                      "--scheduler", "euler_a", "--negative_prompt", "blurry", "--output_dir", samples)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_in_process("sample.py", "--model", trained, "--lora", f"{trained / KOHYA}:0.5", "--prompt", "a digit one",
+                   "--prompt", "a handwritten digit seven", "--num_images", "2", "--num_inference_steps", "3",
+                   "--scheduler", "euler_a", "--negative_prompt", "blurry", "--output_dir", samples)
+    printed = capsys.readouterr().out
     # Each LoRA's training metadata, one short block before the images.
-    assert proc.stdout.startswith(f"LoRA {trained} (scale 1):\n  base model: {tiny_sd} (sd_v1), trained at 32x32\n"
-                                  "  rank 4, alpha 8, on to_k, to_q, to_v, to_out.0 and the text encoder\n"
-                                  f"  trained 12 steps on {digits} (64 images), learning rate 0.01, torch.optim.AdamW\n"
-                                  "  trigger: sks style (put it in the prompt)\n"
-                                  f"LoRA {trained / KOHYA} (scale 0.5):\n"), proc.stdout
+    assert printed.startswith(f"LoRA {trained} (scale 1):\n  base model: {tiny_sd} (sd_v1), trained at 32x32\n"
+                              "  rank 4, alpha 8, on to_k, to_q, to_v, to_out.0 and the text encoder\n"
+                              f"  trained 12 steps on {digits} (64 images), learning rate 0.01, torch.optim.AdamW\n"
+                              "  trigger: sks style (put it in the prompt)\n"
+                              f"LoRA {trained / KOHYA} (scale 0.5):\n"), printed
     from PIL import Image
 
     images = sorted(samples.glob("0*.png"))
