@@ -112,14 +112,14 @@ def run_script(script, *args, cwd=ROOT, env=None, timeout=600):
 
 
 def run_in_process(script, *args):
-    """A script's main (sample.py, inspect_pipeline.py) in this process, on one thread as its subprocess runs
-    (OMP_NUM_THREADS=1: the same float order): a success path without a new interpreter's ~5 s of imports. What it
-    prints is the test's (capsys)."""
+    """A script's main (sample.py, inspect_pipeline.py, demo/style_report.py) in this process, on one thread as its
+    subprocess runs (OMP_NUM_THREADS=1: the same float order): a success path without a new interpreter's ~5 s of
+    imports. What it prints is the test's (capsys)."""
     import importlib
 
     import torch
 
-    module = importlib.import_module(Path(script).stem)
+    module = importlib.import_module(str(Path(script).with_suffix("")).replace("/", "."))
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 import torch
-from conftest import ROOT, assert_one_line_error, offline_env, run_script
+from conftest import ROOT, assert_one_line_error, offline_env, run_in_process, run_script
 from PIL import Image
 from safetensors.torch import load_file
 
@@ -192,12 +192,11 @@ def test_lora_folder_as_model_text_output(ip, models, capsys):
     assert "warning: lora_info.json says lora_alpha 8" in capsys.readouterr().out
 
 
-def test_json_with_lora_trace_and_trajectory(models, tmp_path):
+def test_json_with_lora_trace_and_trajectory(models, tmp_path, capsys):
     picture = tmp_path / "x0.png"
-    proc = run_script("inspect_pipeline.py", models["sd"], "--lora", models["lora"], "--num_inference_steps", 4,
-                      "--save_trajectory", picture, "--trajectory_steps", 3, "--json")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    report = json.loads(proc.stdout)
+    run_in_process("inspect_pipeline.py", models["sd"], "--lora", models["lora"], "--num_inference_steps", 4,
+                   "--save_trajectory", picture, "--trajectory_steps", 3, "--json")
+    report = json.loads(capsys.readouterr().out)
     for key in ("components", "scheduler", "denoiser", "text_encoders", "tokenizers", "vae", "lora", "trace",
                 "trajectory"):
         assert key in report, key

@@ -109,20 +109,19 @@ def test_load_lora_weights_and_kohya_give_the_trained_models_images(style_lora):
         assert in_style(as_tensor).float().mean() >= 0.5, weights
 
 
-def test_the_style_report_measures_and_draws(style_lora):
+def test_the_style_report_measures_and_draws(style_lora, capsys):
     # The short LoRA must really have learned the style (scale 0 equals the base: the sample.py sweep test below).
-    proc = subprocess.run([sys.executable, "-m", "demo.style_report", "--lora", style_lora, "--per_digit", "1"],
-                          cwd=ROOT, env=offline_env(), capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_in_process("demo/style_report.py", "--lora", style_lora, "--per_digit", "1")
+    printed = capsys.readouterr().out
     results = read_results(style_lora)
     sweep = results["style_eval"]["lora_scale_sweep"]
     assert [row["lora_scale"] for row in sweep] == [0.0, 0.5, 1.0]
     assert results["style_rate_without_lora"] <= 0.1 and results["style_rate"] >= 0.6, results
-    assert (style_lora / "side_by_side.png").is_file() and "style rate" in proc.stdout
+    assert (style_lora / "side_by_side.png").is_file() and "style rate" in printed
     # the held-out red-ink digits (--validation_split 0.05) are denoised better with the LoRA than by the base alone
     losses = results["validation_losses"]
     assert sorted(losses, key=int) == ["0", "100", "150"] and losses["150"] < 0.95 * losses["0"], losses
-    assert "held-out loss (val/loss)" in proc.stdout
+    assert "held-out loss (val/loss)" in printed
 
 
 def test_rebuild_with_tiny_step_counts_and_a_changed_file_is_refused(digits, tmp_path):
