@@ -87,6 +87,7 @@ from common.optimizers import OPTIMIZERS, add_optimizer_args, check_optimizer_ar
 from common.references import add_reference_args, check_reference_args
 from common.training import add_ema_args, check_resumed_ema, ema_weights, set_cuda_backends
 from common.validation_images import add_validation_image_args
+from common.video import add_video_args
 
 
 def parse_args(argv=None):
@@ -95,6 +96,7 @@ def parse_args(argv=None):
     add_caption_args(g, caption_dropout_prob=0.0)
     add_latent_cache_args(g)
     add_bucket_args(g)
+    add_video_args(g)  # --num_frames, --frame_stride (video bases: common/video.py)
     add_mask_args(g)
     add_reference_args(parser)  # edit LoRAs: --control_data_dir (common/references.py)
     add_dreambooth_args(parser)

@@ -274,7 +274,7 @@ class ImageDataset(torch.utils.data.Dataset):
 
     def __init__(self, dataset, image_column, resolution, center_crop=True, random_flip=False,
                  mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5), columns=None, seed=0, cache_limit_gb=4.0, sizes=None,
-                 original_sizes=None, masks=None, references=None):
+                 original_sizes=None, masks=None, references=None, frames=None):
         import datasets
 
         self.images = dataset.cast_column(image_column, datasets.Image(decode=False))[image_column]
@@ -286,8 +286,9 @@ class ImageDataset(torch.utils.data.Dataset):
         self.shift = -torch.tensor(mean, dtype=torch.float32).view(3, 1, 1) / torch.tensor(std).view(3, 1, 1)
         self.seed, self.epoch = seed, 0
         self.masks, self.references = masks, references
+        self.frames = frames  # (num_frames, frame_stride): clips, [F, 3, H, W] (common/video.py); None: images
         self.cache = None
-        channels = 3 + (masks is not None) + 3 * len(references[0] if references else ())
+        channels = (3 + (masks is not None) + 3 * len(references[0] if references else ())) * (frames or [1])[0]
         if len(self.images) * channels * resolution * resolution <= cache_limit_gb * 2**30:
             values = self.images[:]  # the whole column in one read (row by row is far slower)
             self.cache = stack_if_uniform([self._decode(i, value) for i, value in enumerate(values)])
@@ -305,6 +306,11 @@ class ImageDataset(torch.utils.data.Dataset):
 
     def _decode(self, index, value=None):
         value = self.images[index] if value is None else value
+        if self.frames:  # a clip (an image: one frame) [F, 3, H, W]
+            from .video import decode_clip
+
+            resize = resize_shorter_side if isinstance(self.target(index), int) else resize_to_bucket
+            return decode_clip(value, self.target(index), *self.frames, resize=resize)
         return decode_image(value, self.target(index), index, self.mask_source(index),
                             self.references[index] if self.references else ())
 
@@ -342,9 +348,9 @@ class ImageDataset(torch.utils.data.Dataset):
         current epoch."""
         pixels = self.cache[index] if self.cache is not None else self._decode(index)
         rh, rw = self.crop_size(index)
-        _, h, w = pixels.shape
+        h, w = pixels.shape[-2:]
         top, left, flip = self.placement(index, h, w)
-        pixels = pixels[:, top:top + rh, left:left + rw]
+        pixels = pixels[..., top:top + rh, left:left + rw]
         return pixels.flip(-1) if flip else pixels
 
     def time_ids(self, indices):
@@ -399,7 +405,7 @@ class ImageDataset(torch.utils.data.Dataset):
         fixed = self.fixed_crop(*self.cache.shape[-2:], rh, rw) if isinstance(self.cache, torch.Tensor) else None
         if fixed:
             top, left = fixed
-            pixels = self.cache.index_select(0, index)[:, :, top:top + rh, left:left + rw]
+            pixels = self.cache.index_select(0, index)[..., top:top + rh, left:left + rw]
         else:
             pixels = torch.stack([self.crop(i) for i in indices])
         return {**self.pixels_and_mask(pixels),
@@ -559,17 +565,21 @@ def image_datasets(args, train_ds, held_out_ds, sizes=None, held_out_sizes=None,
     each image's bucket (--buckets auto); `time_ids`: each image's original size kept, for SDXL's time ids; with
     --masked_loss each image's mask (common/loss_masks.py), the held-out images' too; `masked_rows`: only the first
     training rows have masks (DreamBooth's class images after them train everywhere); `references`: each training
-    and held-out image's reference images (edit LoRAs: common/references.py's References.rows)."""
+    and held-out image's reference images (edit LoRAs: common/references.py's References.rows). A video family's
+    items are clips (args.clip_frames)."""
     def originals(dataset):
         return image_sizes(dataset, args.image_column)[0] if time_ids else None
+
+    clips = getattr(args, "clip_frames", None)  # a video family's (common/video.py: check_video_args)
 
     train = ImageDataset(train_ds, args.image_column, args.resolution, center_crop=args.center_crop,
                          random_flip=args.random_flip, columns={"index": torch.arange(len(train_ds))}, seed=args.seed,
                          sizes=sizes, original_sizes=originals(train_ds),
-                         masks=dataset_masks(args, train_ds, masked_rows), references=references[0])
+                         masks=dataset_masks(args, train_ds, masked_rows), references=references[0], frames=clips)
     held_out = None if held_out_ds is None else ImageDataset(
         held_out_ds, args.image_column, args.resolution, center_crop=True, seed=args.seed, sizes=held_out_sizes,
-        original_sizes=originals(held_out_ds), masks=dataset_masks(args, held_out_ds), references=references[1])
+        original_sizes=originals(held_out_ds), masks=dataset_masks(args, held_out_ds), references=references[1],
+        frames=clips)
     return train, held_out
 
 
