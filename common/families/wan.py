@@ -4,7 +4,8 @@ latents_mean and latents_std, no scaling factor), which it cuts into 1 x 2 x 2 p
 hidden states of UMT5 over the cleaned prompt (the pipeline's prompt_clean), zeros after each prompt's end, no mask
 given to the transformer. The transformer takes the timestep in the scheduler's units (sigma x 1000) and predicts the
 velocity noise - x0; the training sigmas are the scheduler's, shifted by its config's shift (what the pipeline samples
-with), no loss weighting, on the latent distribution's mode. The pipeline guides by classifier-free guidance against the negative (default empty) prompt.
+with), no loss weighting, on the latent distribution's mode. The pipeline guides by classifier-free guidance against
+the negative (default empty) prompt.
 
 Latents are [B, C, F, h, w] for clips and [B, C, h, w] for images, which train as clips of one frame (the VAE adds and
 drops that frame axis, common/vae.py; `denoise` here does the same for the transformer). LoRA on UMT5 is not offered.
