@@ -206,6 +206,8 @@ def image_sizes(dataset, image_column):
     """(height, width) of every image of a `datasets.Dataset`, from the file headers (nothing decoded)."""
     import datasets
 
+    from .video import clip_size, is_clip
+
     values = dataset.cast_column(image_column, datasets.Image(decode=False))[image_column]
     sizes = []
     for index, value in enumerate(values):
@@ -214,6 +216,9 @@ def image_sizes(dataset, image_column):
                 sizes.append(value.size[::-1])
                 continue
             path, data = value.get("path"), value.get("bytes")
+            if is_clip(path):  # a video file, a folder of frames: its first frame's
+                sizes.append(clip_size(value))
+                continue
             with Image.open(io.BytesIO(data) if data is not None else path) as image:
                 sizes.append(image.size[::-1])
     return sizes, [image_name(value, index) for index, value in enumerate(values)]
