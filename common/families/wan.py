@@ -43,7 +43,8 @@ TRAINING_GUIDANCE = None
 OPTIONAL_COMPONENTS = None
 SAMPLERS = FLOW_SCHEDULER_CLASSES
 SAMPLER, SAMPLE_STEPS, SAMPLE_GUIDANCE = "euler", 50, 5.0  # WanPipeline's defaults
-SAMPLE_FLAGS = ("negative_prompt", "max_sequence_length")
+SAMPLE_FLAGS = ("negative_prompt", "max_sequence_length", "num_frames")
+SAMPLE_FRAMES = 81  # WanPipeline's default clip length
 LORA_SCALE_ARGUMENT = "attention_kwargs"  # the pipeline call's argument that scales the LoRAs
 PIPELINE_EXTRAS = {}
 SINGLE_FILE = False  # no single-file checkpoint layout here (train_text_to_image.py --save_model_as)
@@ -85,12 +86,12 @@ def temporal_factor(vae_config):
     return vae_config.get("scale_factor_temporal") or 2 ** sum(vae_config.get("temperal_downsample", ()))
 
 
-def check_frames(num_frames, vae_config):
+def check_frames(num_frames, vae_config, flag="--num_frames"):
     """One line for a frame count the VAE's temporal compression cannot take."""
     factor = temporal_factor(vae_config)
     if (num_frames - 1) % factor:
         lower = (num_frames - 1) // factor * factor + 1
-        raise UserError(f"--num_frames {num_frames}: Wan's VAE takes {factor}k + 1 frames (its temporal compression "
+        raise UserError(f"{flag} {num_frames}: Wan's VAE takes {factor}k + 1 frames (its temporal compression "
                         f"is {factor}); give {lower} or {lower + factor}")
 
 
