@@ -199,7 +199,10 @@ def check_common_args(args):
         root = args.train_data_dir
         if not os.path.isdir(root):
             raise UserError(f"--train_data_dir '{root}' does not exist (run `make data` for the built-in digits)")
-        if not any(has_image_file(files) for _, _, files in os.walk(root)):
+        from .video import VIDEO_EXTENSIONS  # (a video family's clips)
+
+        if not any(has_image_file(files) or any(os.path.splitext(name)[1].lower() in VIDEO_EXTENSIONS for name in files)
+                   for _, _, files in os.walk(root)):
             raise UserError(f"--train_data_dir '{root}' holds no image files; put images in it (an imagefolder: "
                             "images with a metadata.jsonl, or one subfolder per class)")
     if os.path.exists(args.output_dir) and not os.path.isdir(args.output_dir):

@@ -585,6 +585,12 @@ def image_datasets(args, train_ds, held_out_ds, sizes=None, held_out_sizes=None,
         held_out_ds, args.image_column, args.resolution, center_crop=True, seed=args.seed, sizes=held_out_sizes,
         original_sizes=originals(held_out_ds), masks=dataset_masks(args, held_out_ds), references=references[1],
         frames=clips)
+    if clips and args.train_batch_size > 1 and isinstance(train.cache, list):  # (one size: a stacked cache)
+        counts = sorted({len(clip) for clip in train.cache})
+        if len(counts) > 1:  # a batch is one tensor: its clips one length
+            raise UserError(f"--train_data_dir mixes clips of {' and '.join(map(str, counts))} frames (images are "
+                            f"clips of one frame) and --train_batch_size {args.train_batch_size} would batch them "
+                            "together: give --train_batch_size 1, or train the images and the clips apart")
     return train, held_out
 
 

@@ -1,0 +1,189 @@
+"""Wan end to end on clips, on the tiny random-init Wan 2.1 text-to-video base (`make tiny-wan`) and clips of moving
+digits written as mp4, animated GIF and folders of frames (demo/moving_digits.py): train_lora.py with --num_frames and
+--frame_stride, its files read back by WanPipeline.load_lora_weights (the UI file under ComfyUI's native Wan names
+too), an exact resume, the validation clip, sample.py's clips against WanPipeline's frames, and the one-line errors of
+clips that do not fit. (Wan on images, one frame each, is one family of tests/test_lora_flow.py.)"""
+import shutil
+import sys
+
+import numpy as np
+import pytest
+import torch
+from conftest import ROOT, assert_one_line_error, launch, read_results, run_script
+from PIL import Image
+from safetensors.torch import load_file
+
+from common.cli import UserError
+from common.families import family_module
+
+FRAMES = ["--num_frames", "5", "--frame_stride", "2"]
+STEPS = ["--train_batch_size", "2", "--max_train_steps", "4", "--checkpointing_steps", "2", "--rank", "4",
+         "--lora_alpha", "8", "--learning_rate", "1e-2", "--resolution", "32", "--max_sequence_length", "40",
+         "--random_flip", "--logging_steps", "1", "--cache_latents", "--buckets", "auto", *FRAMES]
+PROMPT = "a handwritten digit 3 moving left"
+VALIDATION = ["--validation_prompt", PROMPT, "--validation_steps", "4", "--num_validation_images", "1",
+              "--validation_inference_steps", "2"]  # (at the training size: --buckets auto)
+
+
+@pytest.fixture(scope="module")
+def clips(tmp_path_factory):
+    from demo.moving_digits import write_moving_digits
+
+    path = tmp_path_factory.mktemp("clips") / "moving-digits"
+    write_moving_digits(str(path), count=6, frames=9, formats=("mp4", "gif", "frames"))
+    return path
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_wan, clips, tmp_path_factory):
+    out = tmp_path_factory.mktemp("lora-wan-video") / "run"
+    launch("train_lora.py", "--train_data_dir", clips, "--pretrained_model_name_or_path", tiny_wan, "--output_dir",
+           out, *STEPS, *VALIDATION)
+    return tiny_wan, clips, out
+
+
+def transformer_output(pipe):
+    """The transformer's output on a fixed clip of latents [2, 16, 2, 4, 4] and prompt."""
+    family = family_module("wan")
+    x = torch.randn(2, 16, 2, 4, 4, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        cond = family.encode_prompts(pipe.components, family.tokenize(pipe.components, [PROMPT] * 2, 40))
+        return family.denoise(pipe.transformer, x, torch.tensor([100.0, 700.0]), cond)
+
+
+def test_a_video_lora_loads_back_exactly_in_diffusers_and_under_comfyuis_names(trained):
+    from diffusers import WanPipeline
+    from peft import LoraConfig
+    from peft.utils import set_peft_model_state_dict
+
+    from common.lora_adapters import expand_targets
+
+    base, _, out = trained
+    assert read_results(out)["global_step"] == 4
+    reference = WanPipeline.from_pretrained(base)
+    targets = expand_targets(reference.transformer, family_module("wan").LORA_TARGETS.split(","))
+    reference.transformer.add_adapter(LoraConfig(r=4, lora_alpha=8, init_lora_weights="gaussian",
+                                                 target_modules=targets))
+    adapter = load_file(out / "checkpoint-4" / "transformer" / "adapter_model.safetensors")
+    set_peft_model_state_dict(reference.transformer, adapter)
+    expected = transformer_output(reference)
+    assert (transformer_output(WanPipeline.from_pretrained(base)) - expected).abs().max() > 1e-4  # it learned
+    for weights in ("pytorch_lora_weights.safetensors", "pytorch_lora_weights_ui.safetensors"):
+        pipe = WanPipeline.from_pretrained(base)
+        pipe.load_lora_weights(out, weight_name=weights)
+        assert (transformer_output(pipe) - expected).abs().max() < 1e-5, weights
+    ui = load_file(out / "pytorch_lora_weights_ui.safetensors")
+    names = {"attn1.to_q": "self_attn.q", "attn1.to_out.0": "self_attn.o", "attn2.to_k": "cross_attn.k"}
+    for ours, comfy in names.items():  # ComfyUI's own Wan module names, with alpha / rank as trained
+        assert torch.equal(ui[f"diffusion_model.blocks.1.{comfy}.lora_A.weight"],
+                           adapter[f"blocks.1.{ours}.lora_A.weight"])
+        assert ui[f"diffusion_model.blocks.1.{comfy}.alpha"].item() == 8
+    assert all(key.startswith("diffusion_model.blocks.") for key in ui)
+
+
+def test_a_video_run_resumes_exactly(trained, tmp_path):
+    base, clips, out = trained
+    resumed = tmp_path / "run"
+    shutil.copytree(out / "checkpoint-2", resumed / "checkpoint-2")
+    launch("train_lora.py", "--train_data_dir", clips, "--pretrained_model_name_or_path", base, "--output_dir",
+           resumed, *STEPS, "--resume_from_checkpoint", "latest")
+    straight = load_file(out / "checkpoint-4" / "transformer" / "adapter_model.safetensors")
+    again = load_file(resumed / "checkpoint-4" / "transformer" / "adapter_model.safetensors")
+    assert straight.keys() == again.keys() and all(torch.equal(straight[k], again[k]) for k in straight)
+
+
+def test_the_validation_clip_and_sample_py_draw_wanpipelines_frames(trained, tmp_path):
+    from diffusers import WanPipeline
+
+    base, _, out = trained
+    validation = Image.open(out / "samples" / "step-4" / "0-0.gif")
+    assert validation.n_frames == 5 and validation.size == (32, 32)
+    run = run_script("sample.py", "--model", out, "--prompt", PROMPT, "--num_images", "1", "--num_inference_steps",
+                     "2", "--output_dir", tmp_path / "samples")
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert (tmp_path / "samples" / "0000.mp4").stat().st_size > 0  # (the frames from --num_frames of the run: 5)
+    assert Image.open(tmp_path / "samples" / "0000.gif").n_frames == 5
+    grid = np.asarray(Image.open(tmp_path / "samples" / "grid.png").convert("RGB")).astype(int)  # a row of frames
+    pipe = WanPipeline.from_pretrained(base)
+    pipe.load_lora_weights(out)
+    frames = pipe(prompt=PROMPT, num_frames=5, height=32, width=32, num_inference_steps=2, guidance_scale=5.0,
+                  max_sequence_length=40, generator=torch.Generator().manual_seed(0), output_type="np").frames[0]
+    theirs = np.concatenate(list((frames * 255).round().astype(int)), axis=1)  # [32, 5 x 32, 3]
+    assert grid.shape == theirs.shape and np.abs(grid - theirs).max() <= 1
+
+
+def test_clips_are_read_from_video_files_gifs_and_folders_of_frames_and_images_are_one_frame(clips, tmp_path):
+    from common.video import read_frames
+
+    for name in ("0000.mp4", "0001.gif", "0002"):
+        frames = read_frames({"path": str(clips / name)}, 5, 2)
+        assert len(frames) == 5 and frames[0].size == (32, 32)
+        ink = [np.asarray(f.convert("L"), dtype=float) for f in frames]
+        drift = [(x.sum(0) @ np.arange(32)) / x.sum() for x in ink]
+        assert drift[-1] < drift[0] - 4  # moving left, 2 pixels a taken frame
+    Image.new("RGB", (32, 32)).save(tmp_path / "still.png")
+    assert len(read_frames({"path": str(tmp_path / "still.png")}, 5)) == 1
+
+
+def bad_clip(folder, kind):
+    """A folder with one clip that cannot train: empty, not a video, too short."""
+    from demo.moving_digits import write_moving_digits
+
+    folder.mkdir()
+    if kind == "short":
+        write_moving_digits(str(folder), count=1, frames=6)
+        return folder / "0000.mp4"
+    (folder / "bad.mp4").write_bytes(b"" if kind == "empty" else b"not a video at all")
+    (folder / "bad.txt").write_text("a clip")
+    return folder / "bad.mp4"
+
+
+@pytest.mark.parametrize("kind, needles", [("empty", ["the file is empty"]), ("garbage", ["cannot read video"]),
+                                           ("short", ["has 6 frames, fewer than --num_frames 5", "give --frame_stride 1"])])
+def test_a_clip_that_cannot_train_is_one_line(kind, needles, tmp_path):
+    from common.video import read_frames
+
+    path = bad_clip(tmp_path / "clips", kind)
+    with pytest.raises(UserError) as err:
+        read_frames({"path": str(path)}, 5, 2)
+    assert all(needle in str(err.value) for needle in needles) and str(path) in str(err.value)
+
+
+def test_a_bad_clip_stops_train_lora_in_one_line_with_nothing_written(tiny_wan, tmp_path):
+    bad_clip(tmp_path / "clips", "empty")
+    out = tmp_path / "out"
+    proc = launch("train_lora.py", "--train_data_dir", tmp_path / "clips", "--pretrained_model_name_or_path",
+                  tiny_wan, "--output_dir", out, *STEPS, check=False)
+    assert_one_line_error(proc, "bad.mp4", "the file is empty")
+    assert not any(out.glob("checkpoint-*")) and not (out / "pytorch_lora_weights.safetensors").exists()
+
+
+@pytest.mark.parametrize("flags, needles", [
+    (["--num_frames", "6"], ["--num_frames 6", "4k + 1", "give 5 or 9"]),
+    (["--frame_stride", "2"], ["--frame_stride", "give --num_frames too"]),
+    (["--num_frames", "5", "--resolution", "40"], ["--resolution 40", "16", "32 or 48"]),
+])
+def test_flags_that_do_not_fit_a_video_base_are_one_line(tiny_wan, clips, flags, needles, tmp_path):
+    proc = run_script("train_lora.py", "--train_data_dir", clips, "--pretrained_model_name_or_path", tiny_wan,
+                      "--output_dir", tmp_path / "out", *flags)
+    assert_one_line_error(proc, *needles)
+
+
+def test_num_frames_on_an_image_base_is_one_line(tiny_sd, clips, tmp_path):
+    proc = run_script("train_lora.py", "--train_data_dir", clips, "--pretrained_model_name_or_path", tiny_sd,
+                      "--output_dir", tmp_path / "out", "--num_frames", "5")
+    assert_one_line_error(proc, "--num_frames 5", "draws images, not clips")
+
+
+def test_a_missing_pyav_is_one_line(clips, monkeypatch):
+    from common.video import read_frames
+
+    monkeypatch.setitem(sys.modules, "av", None)  # import av: ImportError
+    with pytest.raises(UserError, match=r"needs PyAV: `pip install av`"):
+        read_frames({"path": str(clips / "0000.mp4")}, 5)
+    assert len(read_frames({"path": str(clips / "0001.gif")}, 5)) == 5  # GIFs need only Pillow
+
+
+def test_the_tiny_wan_build_is_small(tiny_wan):
+    size = sum(f.stat().st_size for f in tiny_wan.rglob("*") if f.is_file())
+    assert size < 2_000_000 and (ROOT / "demo" / "tiny_wan.py").exists()
