@@ -138,8 +138,9 @@ def bad_clip(folder, kind):
     return folder / "bad.mp4"
 
 
-@pytest.mark.parametrize("kind, needles", [("empty", ["the file is empty"]), ("garbage", ["cannot read video"]),
-                                           ("short", ["has 6 frames, fewer than --num_frames 5", "give --frame_stride 1"])])
+@pytest.mark.parametrize("kind, needles", [
+    ("empty", ["the file is empty"]), ("garbage", ["cannot read video"]),
+    ("short", ["has 6 frames, fewer than --num_frames 5", "give --frame_stride 1"])])
 def test_a_clip_that_cannot_train_is_one_line(kind, needles, tmp_path):
     from common.video import read_frames
 
