@@ -53,6 +53,9 @@ def parse_args(argv=None):
     parser.add_argument("--lora", default=None, help="LoRA folder or .safetensors file, loaded into the base.")
     parser.add_argument("--height", type=positive_int, default=None, help="Image height (default: the pipeline's).")
     parser.add_argument("--width", type=positive_int, default=None, help="Image width (default: the pipeline's).")
+    parser.add_argument("--num_frames", type=positive_int, default=None,
+                        help="Video pipelines (Wan): frames of the clip (default: a LoRA's training clips', else the "
+                             "pipeline's 81).")
     add_device_args(parser, dtype="fp32")
     parser.add_argument("--json", action="store_true", help="Print everything as one JSON object, nothing else.")
     g = parser.add_argument_group("trace (one real call)")

@@ -56,6 +56,7 @@ from common.text_encoder_keys import add_text_model_prefix
 from common.training import add_ema_args, check_resumed_ema, ema_weights, set_cuda_backends
 from common.unet_config import read_json_config
 from common.validation_images import add_validation_image_args
+from common.video import add_video_args
 
 
 def parse_args(argv=None):
@@ -64,6 +65,7 @@ def parse_args(argv=None):
     add_caption_args(g, caption_dropout_prob=0.1)
     add_latent_cache_args(g)
     add_bucket_args(g)
+    add_video_args(g)  # --num_frames, --frame_stride (video bases: common/video.py)
     g = parser.add_argument_group("model")
     add_base_model_args(g, SHIPPED_BASE)
     g.add_argument("--unet_config", default=None,

@@ -95,6 +95,17 @@ def check_frames(num_frames, vae_config, flag="--num_frames"):
                         f"is {factor}); give {lower} or {lower + factor}")
 
 
+def latent_frames(num_frames, vae_config):
+    """How many latent frames a clip of num_frames makes: the first frame alone, then one per `temporal_factor`."""
+    return (num_frames - 1) // temporal_factor(vae_config) + 1
+
+
+def packed_shape(shape):
+    """[B, C, f, h, w] latents as the transformer's patch embedding sees them: f x h/2 x w/2 patches of C x 2 x 2."""
+    b, c, f, h, w = shape
+    return [b, f * (h // 2) * (w // 2), c * 4]
+
+
 def fit_problems(denoiser_config, configs):
     """A fresh transformer against the base's other parts: the VAE's channels in and out, UMT5's width."""
     z_dim = configs["vae"].get("z_dim", 16)
