@@ -3,6 +3,7 @@ digits written as mp4, animated GIF and folders of frames (demo/moving_digits.py
 --frame_stride, its files read back by WanPipeline.load_lora_weights (the UI file under ComfyUI's native Wan names
 too), an exact resume, the validation clip, sample.py's clips against WanPipeline's frames, and the one-line errors of
 clips that do not fit. (Wan on images, one frame each, is one family of tests/test_lora_flow.py.)"""
+import json
 import shutil
 import sys
 
@@ -38,7 +39,7 @@ def clips(tmp_path_factory):
 def trained(tiny_wan, clips, tmp_path_factory):
     out = tmp_path_factory.mktemp("lora-wan-video") / "run"
     launch("train_lora.py", "--train_data_dir", clips, "--pretrained_model_name_or_path", tiny_wan, "--output_dir",
-           out, *STEPS, *VALIDATION)
+           out, *STEPS, *VALIDATION, config="cpu_2proc.yaml")  # two processes, a clip each a step
     return tiny_wan, clips, out
 
 
@@ -59,7 +60,7 @@ def test_a_video_lora_loads_back_exactly_in_diffusers_and_under_comfyuis_names(t
     from common.lora_adapters import expand_targets
 
     base, _, out = trained
-    assert read_results(out)["global_step"] == 4
+    assert read_results(out)["global_step"] == 4 and read_results(out)["num_processes"] == 2
     reference = WanPipeline.from_pretrained(base)
     targets = expand_targets(reference.transformer, family_module("wan").LORA_TARGETS.split(","))
     reference.transformer.add_adapter(LoraConfig(r=4, lora_alpha=8, init_lora_weights="gaussian",
@@ -86,7 +87,7 @@ def test_a_video_run_resumes_exactly(trained, tmp_path):
     resumed = tmp_path / "run"
     shutil.copytree(out / "checkpoint-2", resumed / "checkpoint-2")
     launch("train_lora.py", "--train_data_dir", clips, "--pretrained_model_name_or_path", base, "--output_dir",
-           resumed, *STEPS, "--resume_from_checkpoint", "latest")
+           resumed, *STEPS, "--resume_from_checkpoint", "latest", config="cpu_2proc.yaml")
     straight = load_file(out / "checkpoint-4" / "transformer" / "adapter_model.safetensors")
     again = load_file(resumed / "checkpoint-4" / "transformer" / "adapter_model.safetensors")
     assert straight.keys() == again.keys() and all(torch.equal(straight[k], again[k]) for k in straight)
@@ -110,7 +111,24 @@ def test_the_validation_clip_and_sample_py_draw_wanpipelines_frames(trained, tmp
                   max_sequence_length=40, generator=torch.Generator().manual_seed(0), output_type="np").frames[0]
     theirs = np.concatenate(list((frames * 255).round().astype(int)), axis=1)  # [32, 5 x 32, 3]
     assert grid.shape == theirs.shape and np.abs(grid - theirs).max() <= 1
+    trace = run_script("inspect_pipeline.py", out, "--trace", "--json", "--num_inference_steps", "1", "--height", "32",
+                       "--width", "32")  # (the run's clips: 5 frames, lora_info.json)
+    assert trace.returncode == 0, trace.stderr[-3000:]
+    report = json.loads(trace.stdout)
+    assert report["vae"]["latent_shape"] == [1, 16, 2, 4, 4] and report["vae"]["packed_latent_shape"] == [1, 8, 64]
+    assert report["trace"]["initial_noise"] == [1, 16, 2, 4, 4]
 
+
+def test_train_text_to_image_trains_the_wan_transformer_on_clips(tiny_wan, clips, tmp_path):
+    from diffusers import WanTransformer3DModel
+
+    out = tmp_path / "full"
+    launch("train_text_to_image.py", "--train_data_dir", clips, "--pretrained_model_name_or_path", tiny_wan,
+           "--output_dir", out, "--train_batch_size", "2", "--max_train_steps", "2", "--resolution", "32",
+           "--max_sequence_length", "40", "--learning_rate", "1e-3", *FRAMES)
+    trained = WanTransformer3DModel.from_pretrained(out / "transformer").state_dict()
+    base = WanTransformer3DModel.from_pretrained(tiny_wan / "transformer").state_dict()
+    assert any(not torch.equal(trained[k], base[k]) for k in base)
 
 def test_clips_are_read_from_video_files_gifs_and_folders_of_frames_and_images_are_one_frame(clips, tmp_path):
     from common.video import read_frames
