@@ -206,3 +206,18 @@ def test_a_missing_pyav_is_one_line(clips, monkeypatch):
 def test_the_tiny_wan_build_is_small(tiny_wan):
     size = sum(f.stat().st_size for f in tiny_wan.rglob("*") if f.is_file())
     assert size < 2_000_000 and (ROOT / "demo" / "tiny_wan.py").exists()
+
+
+def test_a_hub_wan_bases_unipc_scheduler_trains_and_draws_at_its_flow_shift(tmp_path):
+    """The hub's Wan bases ship UniPCMultistepScheduler in its flow-matching mode (flow_shift 3.0): training takes the
+    same shifted sigmas as FlowMatchEulerDiscreteScheduler(shift=3.0), and the Euler sampler keeps the shift."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, UniPCMultistepScheduler
+
+    from common.diffusion import sampling_scheduler
+
+    unipc = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0)
+    unipc.save_pretrained(tmp_path / "scheduler")
+    wan = family_module("wan")
+    training = wan.TrainingScheduler.from_pretrained(str(tmp_path), subfolder="scheduler")
+    assert torch.equal(training.sigmas, FlowMatchEulerDiscreteScheduler(shift=3.0).sigmas)
+    assert sampling_scheduler(wan.SAMPLER, unipc.config, wan.SAMPLERS).config.shift == 3.0

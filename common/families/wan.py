@@ -30,7 +30,7 @@ LORA_METADATA = {"ss_base_model_version": ("wan",), "modelspec.architecture": ("
 LORA_KEY_PREFIXES = ("transformer.blocks.", "diffusion_model.blocks.", "lora_unet_blocks_")
 OBJECTIVE = "flow"
 FLOW_DEFAULTS = {"weighting_scheme": "none", "precondition_outputs": 0}
-COMPONENTS = {"scheduler": ("diffusers", "FlowMatchEulerDiscreteScheduler"),
+COMPONENTS = {"scheduler": ("common.families.wan", "TrainingScheduler"),  # (FlowMatchEulerDiscreteScheduler)
               "tokenizer": ("transformers", "AutoTokenizer"), "text_encoder": ("transformers", "UMT5EncoderModel"),
               "vae": ("diffusers", "AutoencoderKLWan"), "transformer": ("diffusers", "WanTransformer3DModel")}
 TEXT_ENCODERS = ("text_encoder",)  # UMT5-XXL (5.7 B parameters in Wan 2.1)
@@ -57,6 +57,23 @@ UI_NAMES = {"attn1.to_q": "self_attn.q", "attn1.to_k": "self_attn.k", "attn1.to_
             "attn1.to_out.0": "self_attn.o", "attn2.to_q": "cross_attn.q", "attn2.to_k": "cross_attn.k",
             "attn2.to_v": "cross_attn.v", "attn2.to_out.0": "cross_attn.o", "attn2.add_k_proj": "cross_attn.k_img",
             "attn2.add_v_proj": "cross_attn.v_img", "ffn.net.0.proj": "ffn.0", "ffn.net.2": "ffn.2"}
+
+
+class TrainingScheduler:
+    """Loads a Wan base's scheduler as the FlowMatchEulerDiscreteScheduler the recipes train and draw with: the hub's
+    Wan bases ship UniPCMultistepScheduler in its flow-matching mode, whose shift is `flow_shift`
+    (common/diffusion.py's sampler_settings carries it over)."""
+
+    @staticmethod
+    def from_pretrained(path, subfolder=None, **kwargs):
+        from diffusers import FlowMatchEulerDiscreteScheduler
+
+        from ..diffusion import sampler_settings
+
+        config = FlowMatchEulerDiscreteScheduler.load_config(path, subfolder=subfolder, **kwargs)
+        cls = FlowMatchEulerDiscreteScheduler
+        return cls.from_config(config, **sampler_settings(cls, config)) if config.get("_class_name") != cls.__name__ \
+            else cls.from_config(config)
 
 
 def text_length(components, requested=None, training=False):
