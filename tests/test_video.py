@@ -181,6 +181,8 @@ def test_a_bad_clip_stops_train_lora_in_one_line_with_nothing_written(tiny_wan, 
     (["--num_frames", "6"], ["--num_frames 6", "4k + 1", "give 5 or 9"]),
     (["--frame_stride", "2"], ["--frame_stride", "give --num_frames too"]),
     (["--num_frames", "5", "--resolution", "40"], ["--resolution 40", "16", "32 or 48"]),
+    (["--train_text_encoder"], ["--train_text_encoder", "not offered"]),
+    (["--guidance_scale", "3"], ["--guidance_scale", "means nothing for a Wan base"]),
 ])
 def test_flags_that_do_not_fit_a_video_base_are_one_line(tiny_wan, clips, flags, needles, tmp_path):
     proc = run_script("train_lora.py", "--train_data_dir", clips, "--pretrained_model_name_or_path", tiny_wan,
