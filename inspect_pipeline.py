@@ -22,7 +22,7 @@ A hub model (needs the network; on a GPU the trace takes seconds):
     python inspect_pipeline.py stable-diffusion-v1-5/stable-diffusion-v1-5 --trace --height 512 --width 512 \\
         --device cuda --dtype fp16 --prompt "an astronaut riding a horse" --save_trajectory x0.png
 
-Copy with: common/__init__.py, common/args.py, common/base_models.py, common/cli.py, common/deepspeed_engine.py, common/diffusion.py, common/families/__init__.py, common/lora_files.py, common/objectives.py, common/pipeline_report.py, common/pipeline_trace.py, common/pipelines.py, common/prompts.py, common/sampling_defaults.py, common/sgm_names.py, common/ui_lora.py, common/vae.py
+Copy with: common/__init__.py, common/args.py, common/base_models.py, common/cli.py, common/deepspeed_engine.py, common/diffusion.py, common/families/__init__.py, common/lora_files.py, common/objectives.py, common/pipeline_report.py, common/pipeline_trace.py, common/pipelines.py, common/prompts.py, common/sampling_defaults.py, common/sgm_names.py, common/ui_lora.py, common/vae.py, common/video.py
 """  # noqa: E501 (the copy list stays one line, for grep)
 import json
 import os

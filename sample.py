@@ -22,7 +22,7 @@ FluxKontextPipeline), at the reference's aspect ratio unless --height/--width sa
 
 A copy also needs the module of its base's family, one of common/families/*.py (sd.py for Stable Diffusion 1.x/2.x;
 FLUX.2 dev: flux2.py with flux2_klein.py).
-Copy with: common/__init__.py, common/args.py, common/base_models.py, common/buckets.py, common/caption_files.py, common/cli.py, common/deepspeed_engine.py, common/diffusion.py, common/drawing.py, common/families/__init__.py, common/image_data.py, common/lora_files.py, common/loss_masks.py, common/objectives.py, common/pipelines.py, common/prompts.py, common/references.py, common/sampling_defaults.py, common/sgm_names.py, common/ui_lora.py, common/vae.py
+Copy with: common/__init__.py, common/args.py, common/base_models.py, common/buckets.py, common/caption_files.py, common/cli.py, common/deepspeed_engine.py, common/diffusion.py, common/drawing.py, common/families/__init__.py, common/image_data.py, common/lora_files.py, common/loss_masks.py, common/objectives.py, common/pipelines.py, common/prompts.py, common/references.py, common/sampling_defaults.py, common/sgm_names.py, common/ui_lora.py, common/vae.py, common/video.py
 """  # noqa: E501 (the copy list stays one line, for grep)
 import json
 import os

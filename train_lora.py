@@ -1,11 +1,11 @@
 #!/usr/bin/env python
 """Fine-tune a text-to-image diffusion model with LoRA (peft) on captioned images, the accelerate way.
 
-SD 1.x/2.x and XL (a UNet on DDPM noise), SD 3, Flux.1, FLUX.2, Qwen-Image, Z-Image (transformers trained by flow
-matching): the base's model_index.json names its family, whose module (common/families/) loads it, embeds prompts
-(SDXL: two CLIPs, pooled embedding, each image's size "time ids"; SD3: two CLIPs and T5; Flux.1: CLIP pooled, T5,
-packed latents, guidance input; the newer bases: an LLM's hidden states) and calls its denoiser. The denoiser frozen,
-LoRA (init_lora_weights="gaussian") on its attention projections
+SD 1.x/2.x and XL (a UNet on DDPM noise), SD 3, Flux.1, FLUX.2, Qwen-Image, Z-Image, Wan (video: --num_frames)
+(transformers trained by flow matching): the base's model_index.json names its family, whose module (common/families/)
+loads it, embeds prompts (SDXL: two CLIPs, pooled embedding, each image's size "time ids"; SD3: two CLIPs and T5;
+Flux.1: CLIP pooled, T5, packed latents, guidance input; the newer bases: an LLM's hidden states) and calls its
+denoiser. The denoiser frozen, LoRA (init_lora_weights="gaussian") on its attention projections
 (optionally on the CLIP text encoders too), trained on the family's objective (common/objectives.py; the other
 objective's flags are refused); frozen weights in fp16/bf16, LoRA in fp32; latents (--cache_latents) and prompt
 embeddings computed once, then the text encoders leave the accelerator; caption dropout, an EMA of the LoRA weights
@@ -50,7 +50,7 @@ Then:  python sample.py --model outputs/lora-naruto --prompt "a girl with pink h
 
 A copy also needs the module of its base's family, one of common/families/*.py (sd.py for Stable Diffusion 1.x/2.x;
 FLUX.2 dev: flux2.py with flux2_klein.py).
-Copy with: common/__init__.py, common/args.py, common/base_models.py, common/block_swap.py, common/buckets.py, common/caption_files.py, common/checkpoints.py, common/cli.py, common/deepspeed_engine.py, common/diffusion.py, common/distributed.py, common/drawing.py, common/dreambooth.py, common/families/__init__.py, common/float8_base.py, common/fsdp.py, common/image_data.py, common/lora_adapters.py, common/lora_files.py, common/lora_metadata.py, common/loss_masks.py, common/objectives.py, common/optimizers.py, common/preemption.py, common/prompts.py, common/references.py, common/reporting.py, common/sampling_defaults.py, common/sgm_names.py, common/training.py, common/ui_lora.py, common/vae.py, common/validation_images.py, common/validation_loss.py
+Copy with: common/__init__.py, common/args.py, common/base_models.py, common/block_swap.py, common/buckets.py, common/caption_files.py, common/checkpoints.py, common/cli.py, common/deepspeed_engine.py, common/diffusion.py, common/distributed.py, common/drawing.py, common/dreambooth.py, common/families/__init__.py, common/float8_base.py, common/fsdp.py, common/image_data.py, common/lora_adapters.py, common/lora_files.py, common/lora_metadata.py, common/loss_masks.py, common/objectives.py, common/optimizers.py, common/preemption.py, common/prompts.py, common/references.py, common/reporting.py, common/sampling_defaults.py, common/sgm_names.py, common/training.py, common/ui_lora.py, common/vae.py, common/validation_images.py, common/validation_loss.py, common/video.py
 """  # noqa: E501 (the copy list stays one line, for grep)
 import math
 import os

@@ -10,9 +10,8 @@ datasets' imagefolder skips them. A tree with a datasets metadata file
 import os
 import re
 
-from .args import IMAGE_EXTENSIONS
+from .args import IMAGE_EXTENSIONS, VIDEO_EXTENSIONS
 from .cli import UserError
-from .video import VIDEO_EXTENSIONS
 
 METADATA_FILES = ("metadata.jsonl", "metadata.csv", "metadata.parquet")
 SHOWN = 3  # file names quoted in an error about several files

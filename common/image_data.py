@@ -6,18 +6,22 @@ Any PIL mode is accepted (converted to RGB). A file that cannot be decoded stops
 never skipped silently (a skipped image would change the data and its labels without a word): with the decode-once
 cache, before training starts. CachedLatents (--cache_latents of the Stable Diffusion trainers) holds each image's
 VAE latent distribution instead of its pixels. A loss mask (common/loss_masks.py) is decoded with its image as a
-fourth channel, so every resize, crop and flip of the image is the mask's too.
+fourth channel, so every resize, crop and flip of the image is the mask's too. A video family's items are clips
+(common/video.py), uint8 [F, 3, H, W], each frame resized, cropped and flipped alike.
 """
 import contextlib
 import io
 import logging
+import os
 
 import numpy as np
 import torch
 from PIL import Image, UnidentifiedImageError
 
+from .args import IMAGE_EXTENSIONS, VIDEO_EXTENSIONS
 from .cli import UserError, first_line, one_line
 from .loss_masks import dataset_masks
+from .video import MISSING_AV
 
 logger = logging.getLogger(__name__)
 
@@ -206,8 +210,6 @@ def image_sizes(dataset, image_column):
     """(height, width) of every image of a `datasets.Dataset`, from the file headers (nothing decoded)."""
     import datasets
 
-    from .video import clip_size, is_clip
-
     values = dataset.cast_column(image_column, datasets.Image(decode=False))[image_column]
     sizes = []
     for index, value in enumerate(values):
@@ -251,6 +253,99 @@ def resize_to_bucket(image, bucket):
     top, left = (h - bh) // 2, (w - bw) // 2
     image = image.crop((left, top, left + bw, top + bh))
     return torch.from_numpy(np.asarray(image).copy()).permute(2, 0, 1)
+
+
+# Clips (video families, common/video.py): video files (PyAV), animated GIF and WebP (Pillow), folders of frames.
+
+def is_clip(path):
+    """A video file or a folder of frames (anything else is read by Pillow: an image, or an animated GIF/WebP)."""
+    return bool(path) and (os.path.isdir(path) or os.path.splitext(path)[1].lower() in VIDEO_EXTENSIONS)
+
+
+def _video_frames(path, needed):
+    """The first `needed` frames of a video file, as PIL images (PyAV)."""
+    try:
+        import av
+    except ImportError:
+        raise UserError(f"cannot read '{path}': {MISSING_AV}") from None
+    frames = []
+    try:
+        with av.open(path) as container:
+            for frame in container.decode(video=0):
+                frames.append(frame.to_image())
+                if len(frames) >= needed:
+                    break
+    except (av.FFmpegError, OSError, ValueError, IndexError) as err:
+        raise UserError(f"cannot read video '{path}': {one_line(err, 200)}; delete or replace that file (clips are "
+                        "never skipped)") from None
+    return frames
+
+
+def _pillow_frames(value, needed):
+    """The first `needed` frames of an image file (one, or an animated GIF/WebP's), as PIL images."""
+    from PIL import ImageSequence
+
+    with readable(value):
+        image = _open(value)
+        frames = []
+        for frame in ImageSequence.Iterator(image):
+            frames.append(to_rgb(frame.copy()))
+            if len(frames) >= needed:
+                break
+    return frames if frames else [Image.new("RGB", image.size)]
+
+
+def _folder_frames(path, needed):
+    """A folder of frames: its image files in name order, as PIL images."""
+    names = sorted(n for n in os.listdir(path) if os.path.splitext(n)[1].lower() in IMAGE_EXTENSIONS
+                   and not n.startswith("."))
+    if not names:
+        raise UserError(f"the folder of frames '{path}' holds no image files; put its frames in it (000.png, "
+                        "001.png, ...) or delete it")
+    frames = []
+    for name in names[:needed]:
+        value = {"path": os.path.join(path, name), "bytes": None}
+        with readable(value):
+            frames.append(to_rgb(_open(value)))
+    return frames
+
+
+def read_frames(value, num_frames=None, stride=1):
+    """A datasets Image value (a path or bytes) -> PIL frames: with num_frames, that many, `stride` apart, from the
+    first (an image: its one frame); else the first frame alone. One line for an unreadable, empty or short one."""
+    path = value.get("path") if isinstance(value, dict) else None
+    needed = 1 if not num_frames else (num_frames - 1) * stride + 1
+    if path and os.path.isdir(path):
+        frames = _folder_frames(path, needed)
+    elif path and os.path.splitext(path)[1].lower() in VIDEO_EXTENSIONS:
+        if os.path.getsize(path) == 0:
+            raise UserError(f"cannot read video '{path}': the file is empty; delete or replace it")
+        frames = _video_frames(path, needed)
+        if not frames:
+            raise UserError(f"cannot read video '{path}': it holds no frames; delete or replace it")
+    else:
+        frames = _pillow_frames(value, needed)
+    if len(frames) == 1 or not num_frames:
+        return frames[:1]  # an image: a clip of one frame
+    if len(frames) < needed:
+        fits = (len(frames) - 1) // (num_frames - 1) if num_frames > 1 else 0
+        offer = f"--frame_stride {fits}" if fits >= 1 else "fewer --num_frames"
+        raise UserError(f"'{path or 'a clip'}' has {len(frames)} frames, fewer than --num_frames {num_frames} at "
+                        f"--frame_stride {stride} need ({needed}); give {offer}, or a longer clip")
+    return frames[:needed:stride]
+
+
+def clip_size(value):
+    """(height, width) of a clip's or image's first frame."""
+    return read_frames(value)[0].size[::-1]
+
+
+def decode_clip(value, resolution, num_frames, stride=1, resize=None):
+    """A clip (or image) -> uint8 tensor [F, 3, H, W], each frame resized as `resize(frame, resolution)` does it
+    (common/image_data.py's resize_shorter_side or resize_to_bucket)."""
+    import torch
+
+    return torch.stack([resize(frame, resolution) for frame in read_frames(value, num_frames, stride)])
 
 
 def splitmix64(x):
@@ -312,7 +407,7 @@ class ImageDataset(torch.utils.data.Dataset):
     def _decode(self, index, value=None):
         value = self.images[index] if value is None else value
         if self.frames:  # a clip (an image: one frame) [F, 3, H, W]
-            from .video import decode_clip
+
 
             resize = resize_shorter_side if isinstance(self.target(index), int) else resize_to_bucket
             return decode_clip(value, self.target(index), *self.frames, resize=resize)

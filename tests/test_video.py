@@ -131,7 +131,7 @@ def test_train_text_to_image_trains_the_wan_transformer_on_clips(tiny_wan, clips
     assert any(not torch.equal(trained[k], base[k]) for k in base)
 
 def test_clips_are_read_from_video_files_gifs_and_folders_of_frames_and_images_are_one_frame(clips, tmp_path):
-    from common.video import read_frames
+    from common.image_data import read_frames
 
     for name in ("0000.mp4", "0001.gif", "0002"):
         frames = read_frames({"path": str(clips / name)}, 5, 2)
@@ -160,7 +160,7 @@ def bad_clip(folder, kind):
     ("empty", ["the file is empty"]), ("garbage", ["cannot read video"]),
     ("short", ["has 6 frames, fewer than --num_frames 5", "give --frame_stride 1"])])
 def test_a_clip_that_cannot_train_is_one_line(kind, needles, tmp_path):
-    from common.video import read_frames
+    from common.image_data import read_frames
 
     path = bad_clip(tmp_path / "clips", kind)
     with pytest.raises(UserError) as err:
@@ -197,7 +197,7 @@ def test_num_frames_on_an_image_base_is_one_line(tiny_sd, clips, tmp_path):
 
 
 def test_a_missing_pyav_is_one_line(clips, monkeypatch):
-    from common.video import read_frames
+    from common.image_data import read_frames
 
     monkeypatch.setitem(sys.modules, "av", None)  # import av: ImportError
     with pytest.raises(UserError, match=r"needs PyAV: `pip install av`"):
