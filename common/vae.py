@@ -9,8 +9,8 @@ pipeline's latents decoded in fp32. A 3-D causal VAE (Qwen-Image's, Wan's) sees 
 def vae_factor(vae_config):
     """The VAE's downsampling factor (8 for Stable Diffusion, Flux and Qwen-Image; a 3-D VAE's as its pipelines
     count it, one halving per temporal level)."""
-    if is_video_vae(vae_config):
-        return 2 ** len(vae_config["temperal_downsample"])
+    if is_video_vae(vae_config):  # (Wan 2.2's: 2 x 2 patches before its levels, scale_factor_spatial 16)
+        return vae_config.get("scale_factor_spatial") or 2 ** len(vae_config["temperal_downsample"])
     return 2 ** (len(vae_config.get("block_out_channels", (0,) * 4)) - 1)
 
 

@@ -21,6 +21,14 @@ import argparse
 import os
 import shutil
 
+# Wan 2.2 TI2V-5B's layout (diffusers' tests/pipelines/wan/test_wan_22.py, Wan225B): a residual VAE that cuts frames
+# into 2 x 2 patches first (48 channels, 16x fewer pixels a side), the pipeline's per-token timesteps (expand_timesteps)
+TI2V = {
+    "vae": dict(base_dim=3, z_dim=48, in_channels=12, out_channels=12, is_residual=True, patch_size=2,
+                dim_mult=[1, 1, 1, 1], num_res_blocks=1, scale_factor_spatial=16, scale_factor_temporal=4,
+                temperal_downsample=[False, True, True]),
+    "transformer_channels": 48,
+}
 TINY = {
     "vae": dict(base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True]),
     "transformer": dict(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=16,
@@ -32,9 +40,9 @@ TINY = {
 }
 
 
-def build_tiny_wan(configs=TINY, seed=0):
+def build_tiny_wan(configs=TINY, seed=0, variant="t2v"):
     """-> WanPipeline with random weights (deterministic for a seed), its VAE's latents_mean and latents_std measured
-    on random clips."""
+    on random clips; variant "ti2v": Wan 2.2 TI2V-5B's VAE and per-token timesteps."""
     import torch
     from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanPipeline, WanTransformer3DModel
     from transformers import UMT5Config, UMT5EncoderModel
@@ -46,21 +54,23 @@ def build_tiny_wan(configs=TINY, seed=0):
     text_encoder = UMT5EncoderModel(UMT5Config(**configs["text"], vocab_size=len(tokenizer),
                                                pad_token_id=tokenizer.pad_token_id,
                                                eos_token_id=tokenizer.eos_token_id)).eval()
-    vae = AutoencoderKLWan(**configs["vae"])
+    ti2v = variant == "ti2v"
+    vae = AutoencoderKLWan(**(TI2V["vae"] if ti2v else configs["vae"]))
     with torch.no_grad():
         latents = vae.encode(torch.rand(4, 3, 9, 32, 32) * 2 - 1).latent_dist.mean
     dims = (0, 2, 3, 4)
     vae.register_to_config(latents_mean=[round(v, 4) for v in latents.mean(dims).tolist()],
                            latents_std=[round(v, 4) for v in latents.std(dims).clamp(min=1e-3).tolist()])
-    transformer = WanTransformer3DModel(**configs["transformer"])
+    channels = TI2V["transformer_channels"] if ti2v else configs["transformer"]["in_channels"]
+    transformer = WanTransformer3DModel(**{**configs["transformer"], "in_channels": channels, "out_channels": channels})
     scheduler = FlowMatchEulerDiscreteScheduler(**configs["scheduler"])
     return WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, transformer=transformer,
-                       scheduler=scheduler)
+                       scheduler=scheduler, expand_timesteps=ti2v)
 
 
-def write_tiny_wan(output_dir, seed=0):
+def write_tiny_wan(output_dir, seed=0, variant="t2v"):
     """Build and save; the folder appears under its final name only when complete. -> the number of parameters."""
-    pipe = build_tiny_wan(seed=seed)
+    pipe = build_tiny_wan(seed=seed, variant=variant)
     output_dir = output_dir.rstrip("/")
     tmp = output_dir + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -78,6 +88,8 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--output_dir", default="models/tiny-wan", help="The pipeline folder to write.")
     parser.add_argument("--seed", type=int, default=0, help="The seed of the random weights.")
+    parser.add_argument("--variant", choices=["t2v", "ti2v"], default="t2v",
+                        help="t2v: Wan 2.1's layout; ti2v: Wan 2.2 TI2V-5B's (its VAE, per-token timesteps).")
     args = parser.parse_args()
-    n = write_tiny_wan(args.output_dir, args.seed)
+    n = write_tiny_wan(args.output_dir, args.seed, args.variant)
     print(f"wrote a random-init tiny Wan pipeline ({n / 1e6:.2f} M parameters) to {args.output_dir}")

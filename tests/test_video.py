@@ -223,3 +223,24 @@ def test_a_hub_wan_bases_unipc_scheduler_trains_and_draws_at_its_flow_shift(tmp_
     training = wan.TrainingScheduler.from_pretrained(str(tmp_path), subfolder="scheduler")
     assert torch.equal(training.sigmas, FlowMatchEulerDiscreteScheduler(shift=3.0).sigmas)
     assert sampling_scheduler(wan.SAMPLER, unipc.config, wan.SAMPLERS).config.shift == 3.0
+
+
+def test_wan_22_ti2v_trains_as_its_pipeline_calls_it():
+    """Wan 2.2 TI2V-5B in its text-to-video mode (demo/tiny_wan.py --variant ti2v): the pipeline gives the transformer
+    one timestep per token (expand_timesteps), all equal without a first frame; the family's call with one timestep per
+    clip predicts the same. Its VAE cuts 2 x 2 patches first: sides are multiples of 32."""
+    from demo.tiny_wan import build_tiny_wan
+
+    wan = family_module("wan")
+    pipe = build_tiny_wan(variant="ti2v")
+    configs = {"vae": pipe.vae.config, "transformer": pipe.transformer.config}
+    assert pipe.config.expand_timesteps and wan.resolution_factor(configs) == 32
+    x = torch.randn(2, 48, 2, 2, 2, generator=torch.Generator().manual_seed(0))
+    t = torch.tensor([100.0, 700.0])
+    with torch.no_grad():
+        cond = wan.encode_prompts(pipe.components, wan.tokenize(pipe.components, [PROMPT] * 2, 40))
+        ours = wan.denoise(pipe.transformer, x, t, cond)
+        tokens = 2 * 1 * 1  # latent frames x (h / 2) x (w / 2)
+        theirs = pipe.transformer(hidden_states=x, timestep=t[:, None].expand(2, tokens),
+                                  encoder_hidden_states=cond["prompt_embeds"], return_dict=False)[0]
+    assert (ours - theirs).abs().max() < 1e-5
