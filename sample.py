@@ -445,7 +445,8 @@ def parse_lora(spec):
 def main(args):
     kind = model_kind(args.model, "--model")
     paths = sample_ddpm(args) if kind in ("ddpm", "checkpoint") else sample_pipeline(args)
-    print(f"wrote {len(paths)} images and grid.png to {os.path.dirname(paths[0])}")
+    kind = "images" if paths[0].endswith(".png") else "clips (and their .gif previews)"
+    print(f"wrote {len(paths)} {kind} and grid.png to {os.path.dirname(paths[0])}")
 
 
 if __name__ == "__main__":

@@ -31,7 +31,8 @@ def add_video_args(group):
 
 def check_video_args(args, family, vae_config):
     """One line for --num_frames on a family that draws images, or a frame count its VAE cannot take; sets
-    args.clip_frames, (frames, stride) of each training clip for a video family (None: images)."""
+    args.clip_frames, (frames, stride) of each training clip for a video family (None: images). vae_config() -> the
+    base VAE's config (read only for --num_frames)."""
     args.clip_frames = (args.num_frames or 1, args.frame_stride) if getattr(family, "VIDEO", False) else None
     if args.num_frames is None:
         if args.frame_stride != 1:
