@@ -111,10 +111,12 @@ def test_the_validation_clip_and_sample_py_draw_wanpipelines_frames(trained, tmp
                   max_sequence_length=40, generator=torch.Generator().manual_seed(0), output_type="np").frames[0]
     theirs = np.concatenate(list((frames * 255).round().astype(int)), axis=1)  # [32, 5 x 32, 3]
     assert grid.shape == theirs.shape and np.abs(grid - theirs).max() <= 1
-    trace = run_script("inspect_pipeline.py", out, "--trace", "--json", "--num_inference_steps", "1", "--height", "32",
-                       "--width", "32")  # (the run's clips: 5 frames, lora_info.json)
-    assert trace.returncode == 0, trace.stderr[-3000:]
-    report = json.loads(trace.stdout)
+    sys.path.insert(0, str(ROOT))
+    import inspect_pipeline  # (in this process: its main returns the report it prints)
+
+    report = inspect_pipeline.main(inspect_pipeline.parse_args([str(out), "--trace", "--json", "--num_inference_steps",
+                                                                "1", "--height", "32", "--width", "32"]))
+    json.dumps(report)  # (the run's clips: 5 frames, from lora_info.json)
     assert report["vae"]["latent_shape"] == [1, 16, 2, 4, 4] and report["vae"]["packed_latent_shape"] == [1, 8, 64]
     assert report["trace"]["initial_noise"] == [1, 16, 2, 4, 4]
 
