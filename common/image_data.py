@@ -335,6 +335,16 @@ def read_frames(value, num_frames=None, stride=1):
     return frames[:needed:stride]
 
 
+def clip_length(value, num_frames):
+    """How many frames read_frames(value, num_frames) gives, from the file's kind (and an image's header) alone:
+    num_frames for a video file, a folder of frames or an animated image, 1 for a still."""
+    path = value.get("path") if isinstance(value, dict) else None
+    if not num_frames or num_frames == 1 or is_clip(path):
+        return num_frames or 1
+    with readable(value):
+        return num_frames if getattr(_open(value), "n_frames", 1) > 1 else 1
+
+
 def clip_size(value):
     """(height, width) of a clip's or image's first frame."""
     return read_frames(value)[0].size[::-1]
@@ -416,6 +426,16 @@ class ImageDataset(torch.utils.data.Dataset):
 
     def set_epoch(self, epoch):
         self.epoch = epoch
+
+    def frame_counts(self):
+        """Each item's frame count (clips: common/video.py), for batches of one length; None for images."""
+        if not self.frames:
+            return None
+        if isinstance(self.cache, torch.Tensor):
+            return [self.cache.shape[1]] * len(self)
+        if self.cache is not None:
+            return [len(clip) for clip in self.cache]
+        return [clip_length(value, self.frames[0]) for value in self.images]
 
     def augmentation(self, index, h, w):
         """(top, left, flip) of item `index` (an h x w image) in the current epoch: 64 random bits hashed from
@@ -555,8 +575,9 @@ class CachedLatents:
 
         self.images = images
         groups = {}
+        frames = images.frame_counts() or [1] * len(images)  # (clips of one length a group)
         for i in range(len(images)):
-            groups.setdefault(images.crop_size(i), []).append(i)
+            groups.setdefault((images.crop_size(i), frames[i]), []).append(i)
         params, masks, references = [None] * len(images), [None] * len(images), [None] * len(images)
         for members in groups.values():
             for start in range(0, len(members), batch_size):
@@ -680,12 +701,6 @@ def image_datasets(args, train_ds, held_out_ds, sizes=None, held_out_sizes=None,
         held_out_ds, args.image_column, args.resolution, center_crop=True, seed=args.seed, sizes=held_out_sizes,
         original_sizes=originals(held_out_ds), masks=dataset_masks(args, held_out_ds), references=references[1],
         frames=clips)
-    if clips and args.train_batch_size > 1 and isinstance(train.cache, list):  # (one size: a stacked cache)
-        counts = sorted({len(clip) for clip in train.cache})
-        if len(counts) > 1:  # a batch is one tensor: its clips one length
-            raise UserError(f"--train_data_dir mixes clips of {' and '.join(map(str, counts))} frames (images are "
-                            f"clips of one frame) and --train_batch_size {args.train_batch_size} would batch them "
-                            "together: give --train_batch_size 1, or train the images and the clips apart")
     return train, held_out
 
 

@@ -246,3 +246,24 @@ def test_wan_22_ti2v_trains_as_its_pipeline_calls_it():
         theirs = pipe.transformer(hidden_states=x, timestep=t[:, None].expand(2, tokens),
                                   encoder_hidden_states=cond["prompt_embeds"], return_dict=False)[0]
     assert (ours - theirs).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("cached", [True, False], ids=["decoded-once", "decoded-per-item"])
+def test_clips_and_images_batch_by_frame_count(clips, tmp_path, cached):
+    """Images train beside clips as clips of one frame: the batches hold one length each (frame-count buckets), and
+    every item is drawn once an epoch."""
+    import datasets
+
+    from common.buckets import batching
+    from common.image_data import ImageDataset, collate_batch
+
+    Image.new("RGB", (32, 32), "white").save(tmp_path / "still.png")
+    paths = [str(clips / name) for name in ("0000.mp4", "0001.gif", "0002", "0003.mp4")] + [str(tmp_path / "still.png")]
+    rows = datasets.Dataset.from_dict({"image": paths}, features=datasets.Features({"image": datasets.Image()}))
+    data = ImageDataset(rows, "image", 32, random_flip=True, columns={"index": torch.arange(5)}, frames=(5, 2),
+                        cache_limit_gb=4.0 if cached else 0.0)
+    assert data.frame_counts() == [5, 5, 5, 5, 1]
+    loader = torch.utils.data.DataLoader(data, collate_fn=collate_batch, **batching(None, 2, 0, data))
+    shapes = [tuple(batch["pixel_values"].shape[1:3]) for batch in loader]
+    assert sorted(shapes) == [(1, 3), (5, 3), (5, 3)]
+    assert sorted(i for batch in loader for i in batch["index"].tolist()) == list(range(5))
