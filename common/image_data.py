@@ -208,9 +208,8 @@ def readable(value, index=None):
 
 def image_sizes(dataset, image_column):
     """(height, width) of every image of a `datasets.Dataset`, from the file headers (nothing decoded)."""
-    import datasets
 
-    values = dataset.cast_column(image_column, datasets.Image(decode=False))[image_column]
+    values = undecoded(dataset, image_column)
     sizes = []
     for index, value in enumerate(values):
         with readable(value, index):
@@ -262,15 +261,24 @@ def is_clip(path):
     return bool(path) and (os.path.isdir(path) or os.path.splitext(path)[1].lower() in VIDEO_EXTENSIONS)
 
 
-def _video_frames(path, needed):
-    """The first `needed` frames of a video file, as PIL images (PyAV)."""
+def undecoded(dataset, column):
+    """A dataset column's values undecoded, {"path", "bytes"} each: a Video column's (a hub dataset's clips) as
+    videos, any other as images."""
+    import datasets
+
+    video = isinstance(dataset.features.get(column), getattr(datasets, "Video", ()))
+    return dataset.cast_column(column, (datasets.Video if video else datasets.Image)(decode=False))[column]
+
+
+def _video_frames(path, needed, data=None):
+    """The first `needed` frames of a video file (or its bytes, `data`), as PIL images (PyAV)."""
     try:
         import av
     except ImportError:
         raise UserError(f"cannot read '{path}': {MISSING_AV}") from None
     frames = []
     try:
-        with av.open(path) as container:
+        with av.open(io.BytesIO(data) if data else path) as container:
             for frame in container.decode(video=0):
                 frames.append(frame.to_image())
                 if len(frames) >= needed:
@@ -314,13 +322,14 @@ def read_frames(value, num_frames=None, stride=1):
     """A datasets Image value (a path or bytes) -> PIL frames: with num_frames, that many, `stride` apart, from the
     first (an image: its one frame); else the first frame alone. One line for an unreadable, empty or short one."""
     path = value.get("path") if isinstance(value, dict) else None
+    data = value.get("bytes") if isinstance(value, dict) else None
     needed = 1 if not num_frames else (num_frames - 1) * stride + 1
     if path and os.path.isdir(path):
         frames = _folder_frames(path, needed)
-    elif path and os.path.splitext(path)[1].lower() in VIDEO_EXTENSIONS:
-        if os.path.getsize(path) == 0:
+    elif path and os.path.splitext(path)[1].lower() in VIDEO_EXTENSIONS:  # (a file, or a hub dataset's bytes)
+        if not data and os.path.getsize(path) == 0:
             raise UserError(f"cannot read video '{path}': the file is empty; delete or replace it")
-        frames = _video_frames(path, needed)
+        frames = _video_frames(path, needed, data)
         if not frames:
             raise UserError(f"cannot read video '{path}': it holds no frames; delete or replace it")
     else:
@@ -385,9 +394,8 @@ class ImageDataset(torch.utils.data.Dataset):
     def __init__(self, dataset, image_column, resolution, center_crop=True, random_flip=False,
                  mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5), columns=None, seed=0, cache_limit_gb=4.0, sizes=None,
                  original_sizes=None, masks=None, references=None, frames=None):
-        import datasets
 
-        self.images = dataset.cast_column(image_column, datasets.Image(decode=False))[image_column]
+        self.images = undecoded(dataset, image_column)
         self.columns = columns or {}
         self.resolution, self.center_crop, self.random_flip = resolution, center_crop, random_flip
         self.sizes, self.original_sizes = sizes, original_sizes  # original_sizes: (height, width)s, for time_ids

@@ -267,3 +267,15 @@ def test_clips_and_images_batch_by_frame_count(clips, tmp_path, cached):
     shapes = [tuple(batch["pixel_values"].shape[1:3]) for batch in loader]
     assert sorted(shapes) == [(1, 3), (5, 3), (5, 3)]
     assert sorted(i for batch in loader for i in batch["index"].tolist()) == list(range(5))
+
+
+def test_a_datasets_video_column_trains_as_clips(clips):
+    """A dataset with a Video column (a hub dataset's clips, --image_column naming it), its videos as bytes."""
+    import datasets
+
+    from common.image_data import ImageDataset
+
+    video = {"bytes": (clips / "0000.mp4").read_bytes(), "path": "clip.mp4"}
+    rows = datasets.Dataset.from_dict({"video": [video]}).cast_column("video", datasets.Video(decode=False))
+    data = ImageDataset(rows, "video", 32, frames=(5, 2))
+    assert data[0]["pixel_values"].shape == (5, 3, 32, 32)
