@@ -34,6 +34,9 @@ def check_video_args(args, family, vae_config):
     args.clip_frames, (frames, stride) of each training clip for a video family (None: images). vae_config() -> the
     base VAE's config (read only for --num_frames)."""
     args.clip_frames = (args.num_frames or 1, args.frame_stride) if getattr(family, "VIDEO", False) else None
+    if getattr(family, "VIDEO", False):
+        family.check_base(args.pretrained_model_name_or_path, getattr(args, "revision", None),
+                          getattr(args, "cache_dir", None))
     if args.num_frames is None:
         if args.frame_stride != 1:
             raise UserError("--frame_stride picks frames for --num_frames: give --num_frames too")

@@ -279,3 +279,21 @@ def test_a_datasets_video_column_trains_as_clips(clips):
     rows = datasets.Dataset.from_dict({"video": [video]}).cast_column("video", datasets.Video(decode=False))
     data = ImageDataset(rows, "video", 32, frames=(5, 2))
     assert data[0]["pixel_values"].shape == (5, 3, 32, 32)
+
+
+@pytest.mark.parametrize("kind, needles", [
+    ("a14b", ["is Wan 2.2 A14B", "boundary_ratio 0.875", "not trained here yet"]),
+    ("i2v", ["names the pipeline class 'WanImageToVideoPipeline'", "WanPipeline"])])
+def test_wan_bases_not_trained_yet_are_one_line(tiny_wan, clips, kind, needles, tmp_path):
+    base = tmp_path / kind
+    shutil.copytree(tiny_wan, base)
+    index = json.loads((base / "model_index.json").read_text())
+    if kind == "a14b":  # two experts: transformer above the boundary timestep, transformer_2 below
+        shutil.copytree(tiny_wan / "transformer", base / "transformer_2")
+        index.update(transformer_2=["diffusers", "WanTransformer3DModel"], boundary_ratio=0.875)
+    else:
+        index["_class_name"] = "WanImageToVideoPipeline"
+    (base / "model_index.json").write_text(json.dumps(index))
+    proc = run_script("train_lora.py", "--train_data_dir", clips, "--pretrained_model_name_or_path", base,
+                      "--output_dir", tmp_path / "out")
+    assert_one_line_error(proc, *needles)

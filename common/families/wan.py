@@ -112,6 +112,18 @@ def check_frames(num_frames, vae_config, flag="--num_frames"):
                         f"is {factor}); give {lower} or {lower + factor}")
 
 
+def check_base(path, revision=None, cache_dir=None):
+    """One line for a Wan 2.2 A14B base (two experts, `transformer_2` below the boundary timestep), which the recipes
+    do not train yet: a LoRA of its first expert alone, over every timestep, would be wrong for both."""
+    from . import read_model_index
+
+    index = read_model_index(path, "--pretrained_model_name_or_path", revision, cache_dir)
+    if (index.get("transformer_2") or [None])[0] is not None or index.get("boundary_ratio") is not None:
+        raise UserError(f"--pretrained_model_name_or_path '{path}' is Wan 2.2 A14B (two experts: transformer above "
+                        f"the boundary timestep, transformer_2 below it, boundary_ratio {index.get('boundary_ratio')}),"
+                        " whose experts are not trained here yet; give Wan 2.1 or Wan 2.2 TI2V-5B")
+
+
 def latent_frames(num_frames, vae_config):
     """How many latent frames a clip of num_frames makes: the first frame alone, then one per `temporal_factor`."""
     return (num_frames - 1) // temporal_factor(vae_config) + 1
