@@ -207,8 +207,8 @@ def readable(value, index=None):
 
 
 def image_sizes(dataset, image_column):
-    """(height, width) of every image of a `datasets.Dataset`, from the file headers (nothing decoded)."""
-
+    """(height, width) of every image of a `datasets.Dataset`, from the file headers (nothing decoded; a clip's first
+    frame)."""
     values = undecoded(dataset, image_column)
     sizes = []
     for index, value in enumerate(values):
@@ -327,6 +327,8 @@ def read_frames(value, num_frames=None, stride=1):
     if path and os.path.isdir(path):
         frames = _folder_frames(path, needed)
     elif path and os.path.splitext(path)[1].lower() in VIDEO_EXTENSIONS:  # (a file, or a hub dataset's bytes)
+        if not data and not os.path.isfile(path):
+            raise UserError(f"cannot read video '{path}': no such file; put it back or delete its caption")
         if not data and os.path.getsize(path) == 0:
             raise UserError(f"cannot read video '{path}': the file is empty; delete or replace it")
         frames = _video_frames(path, needed, data)

@@ -105,9 +105,9 @@ def sample_latents(params, vae_config, mode="sample"):
 
 def mean_latents(params, vae_config):
     """The distribution's mean (no sampling), normalized: what the held-out loss measures on (params [2C, h, w] of
-    one image, [2C, f, h, w] of one clip)."""
-    mean = params.float().chunk(2, dim=0)[0]
-    return normalize(vae_config, mean[None])[0]
+    one image, or a batch's: [B, 2C, h, w], clips [B, 2C, f, h, w])."""
+    mean = params.float().chunk(2, dim=0 if params.ndim == 3 else 1)[0]
+    return normalize(vae_config, mean[None])[0] if mean.ndim == 3 else normalize(vae_config, mean)
 
 
 def decode_fp32(pipe, latents, latent_config=None):

@@ -21,6 +21,7 @@ FRAMES = ["--num_frames", "5", "--frame_stride", "2"]
 STEPS = ["--train_batch_size", "2", "--max_train_steps", "4", "--checkpointing_steps", "2", "--rank", "4",
          "--lora_alpha", "8", "--learning_rate", "1e-2", "--resolution", "32", "--max_sequence_length", "40",
          "--random_flip", "--logging_steps", "1", "--cache_latents", "--buckets", "auto", *FRAMES]
+SPLIT = ["--validation_split", "0.2"]  # a held-out clip: the held-out loss on clips
 PROMPT = "a handwritten digit 3 moving left"
 VALIDATION = ["--validation_prompt", PROMPT, "--validation_steps", "4", "--num_validation_images", "1",
               "--validation_inference_steps", "2"]  # (at the training size: --buckets auto)
@@ -39,7 +40,7 @@ def clips(tmp_path_factory):
 def trained(tiny_wan, clips, tmp_path_factory):
     out = tmp_path_factory.mktemp("lora-wan-video") / "run"
     launch("train_lora.py", "--train_data_dir", clips, "--pretrained_model_name_or_path", tiny_wan, "--output_dir",
-           out, *STEPS, *VALIDATION, config="cpu_2proc.yaml")  # two processes, a clip each a step
+           out, *STEPS, *SPLIT, *VALIDATION, config="cpu_2proc.yaml")  # two processes, a clip each a step
     return tiny_wan, clips, out
 
 
@@ -60,7 +61,9 @@ def test_a_video_lora_loads_back_exactly_in_diffusers_and_under_comfyuis_names(t
     from common.lora_adapters import expand_targets
 
     base, _, out = trained
-    assert read_results(out)["global_step"] == 4 and read_results(out)["num_processes"] == 2
+    results = read_results(out)
+    assert results["global_step"] == 4 and results["num_processes"] == 2 and set(results["validation_losses"]) == {
+        "0", "4"}
     reference = WanPipeline.from_pretrained(base)
     targets = expand_targets(reference.transformer, family_module("wan").LORA_TARGETS.split(","))
     reference.transformer.add_adapter(LoraConfig(r=4, lora_alpha=8, init_lora_weights="gaussian",
@@ -87,7 +90,7 @@ def test_a_video_run_resumes_exactly(trained, tmp_path):
     resumed = tmp_path / "run"
     shutil.copytree(out / "checkpoint-2", resumed / "checkpoint-2")
     launch("train_lora.py", "--train_data_dir", clips, "--pretrained_model_name_or_path", base, "--output_dir",
-           resumed, *STEPS, "--resume_from_checkpoint", "latest", config="cpu_2proc.yaml")
+           resumed, *STEPS, *SPLIT, "--resume_from_checkpoint", "latest", config="cpu_2proc.yaml")
     straight = load_file(out / "checkpoint-4" / "transformer" / "adapter_model.safetensors")
     again = load_file(resumed / "checkpoint-4" / "transformer" / "adapter_model.safetensors")
     assert straight.keys() == again.keys() and all(torch.equal(straight[k], again[k]) for k in straight)
