@@ -71,9 +71,8 @@ class TrainingScheduler:
         from ..diffusion import sampler_settings
 
         config = FlowMatchEulerDiscreteScheduler.load_config(path, subfolder=subfolder, **kwargs)
-        cls = FlowMatchEulerDiscreteScheduler
-        return cls.from_config(config, **sampler_settings(cls, config)) if config.get("_class_name") != cls.__name__ \
-            else cls.from_config(config)
+        return FlowMatchEulerDiscreteScheduler.from_config(config, **sampler_settings(FlowMatchEulerDiscreteScheduler,
+                                                                                      config))
 
 
 def text_length(components, requested=None, training=False):
