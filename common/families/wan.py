@@ -1,14 +1,17 @@
-"""Wan 2.1 text-to-video (WanPipeline): a 3-D transformer trained by flow matching on the latents of a 3-D causal VAE
-(AutoencoderKLWan: 4x fewer frames, 8x fewer pixels a side, 16 channels normalised by its config's per-channel
-latents_mean and latents_std, no scaling factor), which it cuts into 1 x 2 x 2 patches itself, conditioned on the last
-hidden states of UMT5 over the cleaned prompt (the pipeline's prompt_clean), zeros after each prompt's end, no mask
-given to the transformer. The transformer takes the timestep in the scheduler's units (sigma x 1000) and predicts the
-velocity noise - x0; the training sigmas are the scheduler's, shifted by its config's shift (what the pipeline samples
-with), no loss weighting, on the latent distribution's mode. The pipeline guides by classifier-free guidance against
-the negative (default empty) prompt.
+"""Wan 2.1 text-to-video and Wan 2.2 TI2V-5B in its text-to-video mode (WanPipeline): a 3-D transformer trained by flow
+matching on the latents of a 3-D causal VAE (AutoencoderKLWan: 4x fewer frames, 8x fewer pixels a side, 16 channels
+normalised by its config's per-channel latents_mean and latents_std, no scaling factor), which it cuts into 1 x 2 x 2
+patches itself, conditioned on the last hidden states of UMT5 over the cleaned prompt (the pipeline's prompt_clean),
+zeros after each prompt's end, no mask given to the transformer. The transformer takes the timestep in the
+scheduler's units (sigma x 1000) and predicts the velocity noise - x0; the training sigmas are the scheduler's,
+shifted by its config's shift (what the pipeline samples with), no loss weighting, on the latent distribution's mode.
+The pipeline guides by classifier-free guidance against the negative (default empty) prompt.
 
 Latents are [B, C, F, h, w] for clips and [B, C, h, w] for images, which train as clips of one frame (the VAE adds and
 drops that frame axis, common/vae.py; `denoise` here does the same for the transformer). LoRA on UMT5 is not offered.
+TI2V-5B's VAE cuts 2 x 2 patches first (48 channels, scale_factor_spatial 16) and its pipeline gives the transformer
+one timestep per token (expand_timesteps), all equal without a first frame: the same as one per clip. Wan 2.2 A14B
+(two experts switched at a boundary timestep) is refused until its experts train (check_base).
 """
 from ..cli import UserError
 from ..diffusion import FLOW_SCHEDULER_CLASSES
@@ -198,7 +201,10 @@ text_encoder_targets = every_target
 
 
 def base_metadata(denoiser_config, prediction_type):
-    """musubi-tuner's names for Wan 2.1's text-to-video models."""
+    """musubi-tuner's names for Wan's text-to-video models (TI2V-5B: its transformer takes the 48-channel latents of
+    Wan 2.2's VAE)."""
+    if denoiser_config.get("in_channels") == 48:
+        return {"ss_base_model_version": "wan2.2_ti2v", "modelspec.architecture": "wan2.2-ti2v-5b/lora"}
     return {"ss_base_model_version": "wan2.1_t2v", "modelspec.architecture": "wan2.1-t2v/lora"}
 
 
