@@ -24,7 +24,8 @@ def add_video_args(group):
 
     group.add_argument("--num_frames", type=positive_int, default=None,
                        help="Video bases (Wan): train on clips of this many frames (4k + 1 for Wan: 1, 5, 9, ... "
-                            "81), each video's first; images train as one frame. Default: one frame of each file.")
+                            "81), from the start of each clip; images train as one frame. Default: one frame of each "
+                            "file.")
     group.add_argument("--frame_stride", type=positive_int, default=1,
                        help="With --num_frames: take every S-th frame of each video (2 halves its frame rate).")
 
