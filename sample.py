@@ -347,7 +347,7 @@ def sample_pipeline(args):
     steps = args.num_inference_steps or defaults["num_inference_steps"]
     guidance = args.guidance_scale if args.guidance_scale is not None else defaults["guidance_scale"]
     if "num_frames" in family.SAMPLE_FLAGS:  # a video family's clip length: as the LoRA trained, else the pipeline's
-        args.num_frames = args.num_frames or (info or {}).get("num_frames") or family.SAMPLE_FRAMES
+        args.num_frames = args.num_frames or defaults["num_frames"] or family.SAMPLE_FRAMES
         family.check_frames(args.num_frames, pipe.vae.config, "--num_frames")
     if "max_sequence_length" in family.SAMPLE_FLAGS:  # T5's length: as the LoRA trained, else the base's
         args.max_sequence_length = family.text_length(pipe.components, args.max_sequence_length

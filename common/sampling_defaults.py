@@ -18,7 +18,8 @@ import os
 import re
 
 CARD = "README.md"
-CARD_KEYS = ("height", "width", "num_inference_steps", "guidance_scale", "true_cfg_scale", "max_sequence_length")
+CARD_KEYS = ("height", "width", "num_inference_steps", "guidance_scale", "true_cfg_scale", "max_sequence_length",
+             "num_frames")
 
 
 def card_call(folder):
@@ -78,6 +79,7 @@ def sampling_defaults(family, base, denoiser_config, info=None, unconditional=Fa
             "num_inference_steps": card.get("num_inference_steps") or family.SAMPLE_STEPS,
             "guidance_scale": default_guidance(family, denoiser_config, card, unconditional),
             "max_sequence_length": info.get("max_sequence_length") or card.get("max_sequence_length"),
+            "num_frames": info.get("num_frames") or card.get("num_frames"),  # (a video family's clips)
             "drop_t5": bool(info.get("drop_t5"))}
 
 

@@ -78,8 +78,9 @@ def write_tiny_wan(output_dir, seed=0, variant="t2v"):
     shutil.rmtree(tmp, ignore_errors=True)
     pipe.save_pretrained(tmp, safe_serialization=True)
     with open(os.path.join(tmp, "README.md"), "w") as f:
-        f.write(f"# {os.path.basename(output_dir)}\n\nA **random-init** Wan 2.1 text-to-video pipeline written by "
-                "`python -m demo.tiny_wan`, for offline runs, tests and benchmarks. It produces noise, not videos.\n")
+        f.write(f"# {os.path.basename(output_dir)}\n\nA **random-init** Wan text-to-video pipeline written by "
+                "`python -m demo.tiny_wan`, for offline runs, tests and benchmarks. It produces noise, not videos.\n\n"
+                "```python\nvideo = pipe(prompt=prompt, height=32, width=32, num_frames=9).frames[0]\n```\n")
     if os.path.exists(output_dir):
         shutil.rmtree(output_dir)
     os.replace(tmp, output_dir)
