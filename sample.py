@@ -106,7 +106,8 @@ def parse_args(argv=None):
                              "text_encoder_3/ needs it; the default for a LoRA trained with --drop_t5.")
     parser.add_argument("--num_frames", type=positive_int, default=None,
                         help="Wan: frames of each clip (4k + 1), written as .mp4 (animated .webp without PyAV) and an "
-                             "animated preview.gif; default: a LoRA's training clips', else 81 (WanPipeline's).")
+                             "animated preview.gif; default: a LoRA's training clips', else the base card's, else 81 "
+                             "(WanPipeline's).")
     parser.add_argument("--height", type=positive_int, default=None,
                         help="Default: a LoRA's training size, else the base card's, else the base's own size.")
     parser.add_argument("--width", type=positive_int, default=None, help="As --height.")
