@@ -146,24 +146,28 @@ def pipeline_snippet(family, base, prompt, call, lora=None, swap=None, load=None
     <prompt> --seed <seed>` draws."""
     imports = sorted({family.PIPELINE, *([swap[0]] if swap else [])})
     options = "".join(f", {key}={literal(value)}" for key, value in (load or {}).items())
-    lines = ["import torch", f"from diffusers import {', '.join(imports)}", "",
+    clip = call.get("num_frames", 1) > 1  # a video family's clip: its frames as an animated GIF
+    lines = ["import torch", f"from diffusers import {', '.join(imports)}",
+             *(["from diffusers.utils import export_to_gif"] if clip else []), "",
              f"pipe = {family.PIPELINE}.from_pretrained({literal(base)}{options})"]
     if swap:
         settings = "".join(f", {key}={literal(value)}" for key, value in swap[1].items())
         lines.append(f"pipe.scheduler = {swap[0]}.from_config(pipe.scheduler.config{settings})")
     if lora:
         lines.append(f"pipe.load_lora_weights({literal(lora)})")
-    head = "image = pipe("
+    video = getattr(family, "VIDEO", False)  # (WanPipeline's output: frames, PIL images with output_type="pil")
+    head = "video = pipe(" if clip else "image = pipe("
     parts = [prompt_argument(family, prompt), *(f"{key}={literal(value)}" for key, value in call.items()),
-             f"generator=torch.Generator().manual_seed({seed})"]
+             f"generator=torch.Generator().manual_seed({seed})", *(['output_type="pil"'] if video else [])]
+    end = ").frames[0]" if clip else ").frames[0][0]" if video else ").images[0]"
     line = head
     for i, part in enumerate(parts):
-        part += ").images[0]" if i == len(parts) - 1 else ","
+        part += end if i == len(parts) - 1 else ","
         if len(line) + len(part) + 1 > 116 and line.strip() != head.strip():
             lines.append(line.rstrip())
             line = " " * len(head)
         line += part if line.endswith(("(", " ")) else " " + part
-    lines += [line, 'image.save("sample.png")']
+    lines += [line, 'export_to_gif(video, "sample.gif", fps=16)' if clip else 'image.save("sample.png")']
     return "\n".join(lines)
 
 
@@ -186,6 +190,8 @@ def model_snippet(family, path, prompt, info, base=None, lora=None, unconditiona
     defaults = sampling_defaults(family, base or path, config, info, unconditional)
     call = call_kwargs(family, config, defaults["height"], defaults["width"], defaults["num_inference_steps"],
                        defaults["guidance_scale"], defaults["max_sequence_length"])
+    if getattr(family, "VIDEO", False):  # (as sample.py: the LoRA's clips, the card's, the pipeline's)
+        call["num_frames"] = defaults["num_frames"] or family.SAMPLE_FRAMES
     swap = scheduler_swap(family, base_scheduler(path, revision, cache_dir), info.get("prediction_type"))
     load = loading_options(family, revision, info.get("variant"), defaults["drop_t5"])
     return pipeline_snippet(family, path, prompt, call, lora=lora, swap=swap, load=load)

@@ -300,3 +300,15 @@ def test_wan_bases_not_trained_yet_are_one_line(tiny_wan, clips, kind, needles, 
     proc = run_script("train_lora.py", "--train_data_dir", clips, "--pretrained_model_name_or_path", base,
                       "--output_dir", tmp_path / "out")
     assert_one_line_error(proc, *needles)
+
+
+def test_the_video_loras_card_draws_its_clip(trained, tmp_path, monkeypatch):
+    """The model card's snippet: WanPipeline with the LoRA, the run's clip length, its frames as an animated GIF."""
+    import re
+
+    _, _, out = trained
+    code = re.search(r"```python\n(.*?)```", (out / "README.md").read_text(), re.S).group(1)
+    assert "num_frames=5" in code and ".frames[0]" in code
+    monkeypatch.chdir(tmp_path)
+    exec(compile(code.replace("num_inference_steps=50", "num_inference_steps=2"), "card", "exec"), {})
+    assert Image.open(tmp_path / "sample.gif").n_frames == 5
