@@ -28,7 +28,7 @@ LAUNCH := $(LAUNCH_ENV) $(PY) -m common.launch --config_file $(CONFIG) \
 ARGS ?=
 DIGITS := data/digits/train/metadata.jsonl
 
-.PHONY: install install-extras install-deepspeed lint data env tiny-sd-base tiny-flux-base tiny-sdxl tiny-sd3 tiny-flux tiny-qwen-image train-text-to-image train-classifier train-ddpm sample-ddpm tiny-sd train-lora train-dreambooth sample-lora inspect test clean tiny-z-image tiny-flux2-klein tiny-flux2
+.PHONY: install install-extras install-deepspeed lint data env tiny-sd-base tiny-flux-base tiny-sdxl tiny-sd3 tiny-flux tiny-qwen-image train-text-to-image train-classifier train-ddpm sample-ddpm tiny-sd train-lora train-dreambooth sample-lora inspect test clean tiny-z-image tiny-flux2-klein tiny-flux2 tiny-wan
 
 install: $(VENV)/.installed
 $(VENV)/.installed: requirements.txt
@@ -119,6 +119,13 @@ TINY_Z_IMAGE := models/tiny-z-image/model_index.json
 tiny-z-image: $(TINY_Z_IMAGE)
 $(TINY_Z_IMAGE): | install
 	$(PY) -m demo.tiny_z_image --output_dir models/tiny-z-image
+
+# Wan 2.1 text-to-video (WanPipeline: its 3-D transformer, UMT5, the 3-D causal VAE; demo/tiny_wan.py): 32 px clips
+# of 4k + 1 frames, well under 1 MB.
+TINY_WAN := models/tiny-wan/model_index.json
+tiny-wan: $(TINY_WAN)
+$(TINY_WAN): | install
+	$(PY) -m demo.tiny_wan --output_dir models/tiny-wan
 
 # FLUX.2 (demo/tiny_flux2.py): klein (Flux2KleinPipeline: a Qwen3 text encoder) and dev (Flux2Pipeline: Mistral3,
 # a guidance embedding), each with FLUX.2's transformer, its 2 x 2-patch VAE and the scheduler; 32 px, about 4 MB.

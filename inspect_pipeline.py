@@ -22,7 +22,7 @@ A hub model (needs the network; on a GPU the trace takes seconds):
     python inspect_pipeline.py stable-diffusion-v1-5/stable-diffusion-v1-5 --trace --height 512 --width 512 \\
         --device cuda --dtype fp16 --prompt "an astronaut riding a horse" --save_trajectory x0.png
 
-Copy with: common/__init__.py, common/args.py, common/base_models.py, common/cli.py, common/deepspeed_engine.py, common/diffusion.py, common/families/__init__.py, common/lora_files.py, common/objectives.py, common/pipeline_report.py, common/pipeline_trace.py, common/pipelines.py, common/prompts.py, common/sampling_defaults.py, common/sgm_names.py, common/ui_lora.py, common/vae.py
+Copy with: common/__init__.py, common/args.py, common/base_models.py, common/cli.py, common/deepspeed_engine.py, common/diffusion.py, common/families/__init__.py, common/lora_files.py, common/objectives.py, common/pipeline_report.py, common/pipeline_trace.py, common/pipelines.py, common/prompts.py, common/sampling_defaults.py, common/sgm_names.py, common/ui_lora.py, common/vae.py, common/video.py
 """  # noqa: E501 (the copy list stays one line, for grep)
 import json
 import os
@@ -53,6 +53,9 @@ def parse_args(argv=None):
     parser.add_argument("--lora", default=None, help="LoRA folder or .safetensors file, loaded into the base.")
     parser.add_argument("--height", type=positive_int, default=None, help="Image height (default: the pipeline's).")
     parser.add_argument("--width", type=positive_int, default=None, help="Image width (default: the pipeline's).")
+    parser.add_argument("--num_frames", type=positive_int, default=None,
+                        help="Video pipelines (Wan): frames of the clip (default: a LoRA's training clips', else the "
+                             "pipeline's 81).")
     add_device_args(parser, dtype="fp32")
     parser.add_argument("--json", action="store_true", help="Print everything as one JSON object, nothing else.")
     g = parser.add_argument_group("trace (one real call)")

@@ -22,7 +22,7 @@ FluxKontextPipeline; FLUX.2: its own pipeline), at the reference's aspect ratio 
 
 A copy also needs the module of its base's family, one of common/families/*.py (sd.py for Stable Diffusion 1.x/2.x;
 FLUX.2 dev: flux2.py with flux2_klein.py).
-Copy with: common/__init__.py, common/args.py, common/base_models.py, common/buckets.py, common/caption_files.py, common/cli.py, common/deepspeed_engine.py, common/diffusion.py, common/drawing.py, common/families/__init__.py, common/image_data.py, common/lora_files.py, common/loss_masks.py, common/objectives.py, common/pipelines.py, common/prompts.py, common/references.py, common/sampling_defaults.py, common/sgm_names.py, common/ui_lora.py, common/vae.py
+Copy with: common/__init__.py, common/args.py, common/base_models.py, common/buckets.py, common/caption_files.py, common/cli.py, common/deepspeed_engine.py, common/diffusion.py, common/drawing.py, common/families/__init__.py, common/image_data.py, common/lora_files.py, common/loss_masks.py, common/objectives.py, common/pipelines.py, common/prompts.py, common/references.py, common/sampling_defaults.py, common/sgm_names.py, common/ui_lora.py, common/vae.py, common/video.py
 """  # noqa: E501 (the copy list stays one line, for grep)
 import json
 import os
@@ -110,6 +110,10 @@ def parse_args(argv=None):
     parser.add_argument("--drop_t5", action="store_true",
                         help="SD3: draw without its T5 text encoder (zeros in its place); a folder without "
                              "text_encoder_3/ needs it; the default for a LoRA trained with --drop_t5.")
+    parser.add_argument("--num_frames", type=positive_int, default=None,
+                        help="Wan: frames of each clip (4k + 1), written as .mp4 (animated .webp without PyAV) and an "
+                             "animated preview.gif; default: a LoRA's training clips', else the base card's, else 81 "
+                             "(WanPipeline's).")
     parser.add_argument("--height", type=positive_int, default=None,
                         help="Default: a LoRA's training size, else the base card's, else the base's own size.")
     parser.add_argument("--width", type=positive_int, default=None, help="As --height.")
@@ -117,12 +121,15 @@ def parse_args(argv=None):
 
 
 def save_images(images, params, output_dir, ncol):
-    """images: list of PIL images; params: one dict per image, written into its PNG text metadata."""
+    """images: list of PIL images (a video family's clips: lists of frames); params: one dict per image, written into
+    its PNG text metadata (clips: params.json)."""
     from PIL.PngImagePlugin import PngInfo
 
     from common.diffusion import image_grid
 
     os.makedirs(output_dir, exist_ok=True)
+    if images and isinstance(images[0], list):
+        return save_clips(images, params, output_dir)
     paths = []
     for i, (image, p) in enumerate(zip(images, params)):
         info = PngInfo()
@@ -133,6 +140,22 @@ def save_images(images, params, output_dir, ncol):
         image.save(path, pnginfo=info)
         paths.append(path)
     image_grid(images, ncol).save(os.path.join(output_dir, "grid.png"))
+    return paths
+
+
+def save_clips(clips, params, output_dir):
+    """Each clip as a video file (.mp4; .webp without PyAV) and an animated preview (.gif), the parameters of every
+    clip in params.json, and grid.png: a row of frames per clip."""
+    from common.diffusion import image_grid
+    from common.video import save_clip, video_extension
+
+    paths = []
+    for i, frames in enumerate(clips):
+        paths.append(save_clip(frames, os.path.join(output_dir, f"{i:04d}{video_extension()}")))
+        save_clip(frames, os.path.join(output_dir, f"{i:04d}.gif"))
+    with open(os.path.join(output_dir, "params.json"), "w") as f:
+        json.dump([{**p, "file": os.path.basename(path)} for p, path in zip(params, paths)], f, indent=2, default=str)
+    image_grid(sum(clips, []), len(clips[0])).save(os.path.join(output_dir, "grid.png"))
     return paths
 
 
@@ -215,7 +238,7 @@ def sample_ddpm(args):
 
 
 # sample.py's flags that only some families' pipelines take (common/families/: SAMPLE_FLAGS)
-FAMILY_FLAGS = ("negative_prompt", "guidance_rescale", "clip_skip", "max_sequence_length", "drop_t5",
+FAMILY_FLAGS = ("num_frames", "negative_prompt", "guidance_rescale", "clip_skip", "max_sequence_length", "drop_t5",
                 "cfg_normalization", "cfg_truncation")
 # the pipelines' own, written into the images' metadata
 DEFAULTS = {"negative_prompt": "", "guidance_rescale": 0.0, "cfg_normalization": 0.0, "cfg_truncation": 1.0}
@@ -330,6 +353,9 @@ def sample_pipeline(args):
     defaults = sampling_defaults(family, base, getattr(pipe, family.DENOISER).config, info)
     steps = args.num_inference_steps or defaults["num_inference_steps"]
     guidance = args.guidance_scale if args.guidance_scale is not None else defaults["guidance_scale"]
+    if "num_frames" in family.SAMPLE_FLAGS:  # a video family's clip length: as the LoRA trained, else the pipeline's
+        args.num_frames = args.num_frames or defaults["num_frames"] or family.SAMPLE_FRAMES
+        family.check_frames(args.num_frames, pipe.vae.config, "--num_frames")
     if "max_sequence_length" in family.SAMPLE_FLAGS:  # T5's length: as the LoRA trained, else the base's
         args.max_sequence_length = family.text_length(pipe.components, args.max_sequence_length
                                                       or defaults["max_sequence_length"])
@@ -398,13 +424,12 @@ def draw(pipe, family, args, images, params, common, steps, guidance, extra, siz
         check_drawing_size(family, height, width, factor)
         kwargs.update(family.reference_kwargs(references, height, width))
     jobs = [(prompt, j) for prompt in args.prompt for j in range(args.num_images)]
-    first = len(images)
     for start in range(0, len(jobs), args.batch_size):
         batch = jobs[start:start + args.batch_size]
         images += draw_images(pipe, family, [prompt for prompt, _ in batch], [args.seed + j for _, j in batch], height,
                               width, steps, guidance, args.negative_prompt, **kwargs)
-        params += [{**common, "prompt": prompt, "seed": args.seed + j, "index": j, "height": image.height,
-                    "width": image.width} for (prompt, j), image in zip(batch, images[first + start:])]
+        params += [{**common, "prompt": prompt, "seed": args.seed + j, "index": j, "height": height, "width": width}
+                   for (prompt, j) in batch]
     return images, params
 
 
@@ -431,7 +456,8 @@ def parse_lora(spec):
 def main(args):
     kind = model_kind(args.model, "--model")
     paths = sample_ddpm(args) if kind in ("ddpm", "checkpoint") else sample_pipeline(args)
-    print(f"wrote {len(paths)} images and grid.png to {os.path.dirname(paths[0])}")
+    kind = "images" if paths[0].endswith(".png") else "clips (and their .gif previews)"
+    print(f"wrote {len(paths)} {kind} and grid.png to {os.path.dirname(paths[0])}")
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ Image + text (the modules image_model, text_model and head take their own learni
     ... --text_column text --text_model_name_or_path google-bert/bert-base-uncased \
         --lr_groups image_model=2e-5,text_model=4e-5
 
-Copy with: common/__init__.py, common/args.py, common/caption_files.py, common/checkpoints.py, common/classifier_metrics.py, common/cli.py, common/deepspeed_engine.py, common/distributed.py, common/fsdp.py, common/image_data.py, common/image_text_model.py, common/loss_masks.py, common/optimizers.py, common/preemption.py, common/reporting.py, common/training.py
+Copy with: common/__init__.py, common/args.py, common/caption_files.py, common/checkpoints.py, common/classifier_metrics.py, common/cli.py, common/deepspeed_engine.py, common/distributed.py, common/fsdp.py, common/image_data.py, common/image_text_model.py, common/loss_masks.py, common/optimizers.py, common/preemption.py, common/reporting.py, common/training.py, common/video.py
 """  # noqa: E501 (the copy list stays one line, for grep)
 import argparse
 import math

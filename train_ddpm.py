@@ -21,7 +21,7 @@ A hub dataset (CIFAR-10, class-conditional, 32 px, a bigger UNet):
         --block_out_channels 128,256,256,256 --layers_per_block 2 --train_batch_size 128 --num_train_epochs 300 \
         --learning_rate 2e-4 --lr_warmup_steps 1000 --use_ema --ema_max_decay 0.9999 --mixed_precision bf16
 
-Copy with: common/__init__.py, common/args.py, common/caption_files.py, common/checkpoints.py, common/classifier_metrics.py, common/cli.py, common/deepspeed_engine.py, common/diffusion.py, common/distributed.py, common/fsdp.py, common/image_data.py, common/loss_masks.py, common/optimizers.py, common/preemption.py, common/reporting.py, common/training.py, common/unet_config.py
+Copy with: common/__init__.py, common/args.py, common/caption_files.py, common/checkpoints.py, common/classifier_metrics.py, common/cli.py, common/deepspeed_engine.py, common/diffusion.py, common/distributed.py, common/fsdp.py, common/image_data.py, common/loss_masks.py, common/optimizers.py, common/preemption.py, common/reporting.py, common/training.py, common/unet_config.py, common/video.py
 """  # noqa: E501 (the copy list stays one line, for grep)
 import json
 import math

@@ -1,21 +1,21 @@
 #!/usr/bin/env python
 """Fine-tune a text-to-image diffusion model with LoRA (peft) on captioned images, the accelerate way.
 
-SD 1.x/2.x and XL (a UNet on DDPM noise), SD 3, Flux.1, FLUX.2, Qwen-Image, Z-Image (transformers trained by flow
-matching): the base's model_index.json names its family, whose module (common/families/) loads it, embeds prompts (SDXL:
-two CLIPs, pooled embedding, each image's size "time ids"; SD3: two CLIPs and T5; Flux.1: CLIP pooled, T5, packed
-latents, guidance input; the newer bases: an LLM's hidden states) and calls its denoiser. The denoiser frozen, LoRA
-(init_lora_weights="gaussian") on its attention projections (optionally on the CLIP text encoders too), trained on the
-family's objective (common/objectives.py; the other objective's flags are refused); frozen weights in fp16/bf16, LoRA in
-fp32; latents (--cache_latents) and prompt embeddings computed once, then the text encoders leave the accelerator;
-caption dropout, an EMA of the LoRA weights (--use_ema: what gets exported), validation images, a held-out loss,
-resumable checkpoints. Also DreamBooth with prior preservation (common/dreambooth.py: class images the base draws once),
-a loss mask per image (--masked_loss, common/loss_masks.py), edit LoRAs from reference images paired by name
-(--control_data_dir: FLUX.1 Kontext, FLUX.2; common/references.py, `make train-edit-lora`), and LyCORIS's LoHa and LoKr
-instead of LoRA (--adapter, peft). Writes pytorch_lora_weights.safetensors (`pipe.load_lora_weights(output_dir)`;
-LoHa/LoKr: peft_adapter_weights.safetensors, which sample.py loads through peft), beside it
-pytorch_lora_weights_ui.safetensors for ComfyUI, Forge and A1111, a model card, and lora_info.json, from which sample.py
-finds the base model.
+SD 1.x/2.x and XL (a UNet on DDPM noise), SD 3, Flux.1, FLUX.2, Qwen-Image, Z-Image, Wan (video clips: --num_frames)
+(transformers trained by flow matching): the base's model_index.json names its family, whose module (common/families/)
+loads it, embeds prompts (SDXL: two CLIPs, pooled embedding, each image's size "time ids"; SD3: two CLIPs and T5;
+Flux.1: CLIP pooled, T5, packed latents, guidance input; the newer bases: an LLM's hidden states) and calls its
+denoiser. The denoiser frozen, LoRA (init_lora_weights="gaussian") on its attention projections (optionally on the CLIP
+text encoders too), trained on the family's objective (common/objectives.py; the other objective's flags are refused);
+frozen weights in fp16/bf16, LoRA in fp32; latents (--cache_latents) and prompt embeddings computed once, then the text
+encoders leave the accelerator; caption dropout, an EMA of the LoRA weights (--use_ema: what gets exported), validation
+images, a held-out loss, resumable checkpoints. Also DreamBooth with prior preservation (common/dreambooth.py: class
+images the base draws once), a loss mask per image (--masked_loss, common/loss_masks.py), edit LoRAs from reference
+images paired by name (--control_data_dir: FLUX.1 Kontext, FLUX.2; common/references.py, `make train-edit-lora`), and
+LyCORIS's LoHa and LoKr instead of LoRA (--adapter, peft). Writes pytorch_lora_weights.safetensors
+(`pipe.load_lora_weights(output_dir)`; LoHa/LoKr: peft_adapter_weights.safetensors, which sample.py loads through peft),
+beside it pytorch_lora_weights_ui.safetensors for ComfyUI, Forge and A1111, a model card, and lora_info.json, from which
+sample.py finds the base model.
 
 Defaults suit a real base: --resolution is the base's native size (its VAE's sample_size, 512 for SD 1.5),
 --learning_rate 1e-4, --train_batch_size 16, as in diffusers' LoRA example.
@@ -50,7 +50,7 @@ Then:  python sample.py --model outputs/lora-naruto --prompt "a girl with pink h
 
 A copy also needs the module of its base's family, one of common/families/*.py (sd.py for Stable Diffusion 1.x/2.x;
 FLUX.2 dev: flux2.py with flux2_klein.py).
-Copy with: common/__init__.py, common/args.py, common/base_models.py, common/block_swap.py, common/buckets.py, common/caption_files.py, common/checkpoints.py, common/cli.py, common/deepspeed_engine.py, common/diffusion.py, common/distributed.py, common/drawing.py, common/dreambooth.py, common/families/__init__.py, common/float8_base.py, common/fsdp.py, common/image_data.py, common/lora_adapters.py, common/lora_files.py, common/lora_metadata.py, common/loss_masks.py, common/objectives.py, common/optimizers.py, common/preemption.py, common/prompts.py, common/references.py, common/reporting.py, common/sampling_defaults.py, common/sgm_names.py, common/training.py, common/ui_lora.py, common/vae.py, common/validation_images.py, common/validation_loss.py
+Copy with: common/__init__.py, common/args.py, common/base_models.py, common/block_swap.py, common/buckets.py, common/caption_files.py, common/checkpoints.py, common/cli.py, common/deepspeed_engine.py, common/diffusion.py, common/distributed.py, common/drawing.py, common/dreambooth.py, common/families/__init__.py, common/float8_base.py, common/fsdp.py, common/image_data.py, common/lora_adapters.py, common/lora_files.py, common/lora_metadata.py, common/loss_masks.py, common/objectives.py, common/optimizers.py, common/preemption.py, common/prompts.py, common/references.py, common/reporting.py, common/sampling_defaults.py, common/sgm_names.py, common/training.py, common/ui_lora.py, common/vae.py, common/validation_images.py, common/validation_loss.py, common/video.py
 """  # noqa: E501 (the copy list stays one line, for grep)
 import math
 import os
@@ -88,6 +88,7 @@ from common.optimizers import OPTIMIZERS, add_optimizer_args, check_optimizer_ar
 from common.references import add_reference_args, check_reference_args, paired_references
 from common.training import add_ema_args, check_resumed_ema, ema_weights, set_cuda_backends
 from common.validation_images import add_validation_image_args, check_validation_image_args, validation_images
+from common.video import add_video_args
 
 
 def parse_args(argv=None):
@@ -96,6 +97,7 @@ def parse_args(argv=None):
     add_caption_args(g, caption_dropout_prob=0.0)
     add_latent_cache_args(g)
     add_bucket_args(g)
+    add_video_args(g)  # --num_frames, --frame_stride (video bases: common/video.py)
     add_mask_args(g)
     add_reference_args(parser)  # edit LoRAs: --control_data_dir (common/references.py)
     add_dreambooth_args(parser)

@@ -26,7 +26,7 @@ Then:  python sample.py --model outputs/sd-naruto --prompt "a girl with pink hai
 
 A copy also needs the module of its base's family, one of common/families/*.py (sd.py for Stable Diffusion 1.x/2.x;
 FLUX.2 dev: flux2.py with flux2_klein.py).
-Copy with: common/__init__.py, common/args.py, common/base_models.py, common/buckets.py, common/caption_files.py, common/checkpoints.py, common/cli.py, common/deepspeed_engine.py, common/diffusion.py, common/distributed.py, common/families/__init__.py, common/fsdp.py, common/image_data.py, common/loss_masks.py, common/objectives.py, common/optimizers.py, common/preemption.py, common/prompts.py, common/references.py, common/reporting.py, common/sampling_defaults.py, common/sgm_names.py, common/single_file_checkpoint.py, common/text_encoder_keys.py, common/training.py, common/ui_lora.py, common/unet_config.py, common/vae.py, common/validation_images.py, common/validation_loss.py
+Copy with: common/__init__.py, common/args.py, common/base_models.py, common/buckets.py, common/caption_files.py, common/checkpoints.py, common/cli.py, common/deepspeed_engine.py, common/diffusion.py, common/distributed.py, common/families/__init__.py, common/fsdp.py, common/image_data.py, common/loss_masks.py, common/objectives.py, common/optimizers.py, common/preemption.py, common/prompts.py, common/references.py, common/reporting.py, common/sampling_defaults.py, common/sgm_names.py, common/single_file_checkpoint.py, common/text_encoder_keys.py, common/training.py, common/ui_lora.py, common/unet_config.py, common/vae.py, common/validation_images.py, common/validation_loss.py, common/video.py
 """  # noqa: E501 (the copy list stays one line, for grep)
 import math
 import os
@@ -56,6 +56,7 @@ from common.text_encoder_keys import add_text_model_prefix
 from common.training import add_ema_args, check_resumed_ema, ema_weights, set_cuda_backends
 from common.unet_config import read_json_config
 from common.validation_images import add_validation_image_args
+from common.video import add_video_args
 
 
 def parse_args(argv=None):
@@ -64,6 +65,7 @@ def parse_args(argv=None):
     add_caption_args(g, caption_dropout_prob=0.1)
     add_latent_cache_args(g)
     add_bucket_args(g)
+    add_video_args(g)  # --num_frames, --frame_stride (video bases: common/video.py)
     g = parser.add_argument_group("model")
     add_base_model_args(g, SHIPPED_BASE)
     g.add_argument("--unet_config", default=None,

@@ -199,7 +199,8 @@ def check_common_args(args):
         root = args.train_data_dir
         if not os.path.isdir(root):
             raise UserError(f"--train_data_dir '{root}' does not exist (run `make data` for the built-in digits)")
-        if not any(has_image_file(files) for _, _, files in os.walk(root)):
+        if not any(has_image_file(files) or any(os.path.splitext(name)[1].lower() in VIDEO_EXTENSIONS for name in files)
+                   for _, _, files in os.walk(root)):
             raise UserError(f"--train_data_dir '{root}' holds no image files; put images in it (an imagefolder: "
                             "images with a metadata.jsonl, or one subfolder per class)")
     if os.path.exists(args.output_dir) and not os.path.isdir(args.output_dir):
@@ -217,6 +218,10 @@ IMAGE_EXTENSIONS = frozenset(
     ".blp .bmp .dib .bufr .cur .pcx .dcx .dds .ps .eps .fit .fits .fli .flc .ftc .ftu .gbr .gif .grib .png .apng .jp2 "
     ".j2k .jpc .jpf .jpx .j2c .icns .ico .im .iim .tif .tiff .jfif .jpe .jpg .jpeg .mpg .mpeg .msp .pcd .pxr .pbm .pgm "
     ".ppm .pnm .psd .bw .rgb .rgba .sgi .ras .tga .icb .vda .vst .webp .wmf .emf .xbm .xpm".split())
+
+
+# The video families' clips (common/video.py): PyAV reads these; an animated GIF or WebP is read as an image file.
+VIDEO_EXTENSIONS = frozenset((".mp4", ".webm", ".mov", ".mkv", ".avi", ".m4v"))
 
 
 def has_image_file(names):

@@ -261,6 +261,11 @@ def check_family_args(args, family):
             raise UserError(f"--guidance_scale {args.guidance_scale:g}: the {family.DENOISER} of '{path}' has no "
                             "guidance embedding (it is not guidance-distilled, as Flux.1-dev is), so there is no "
                             "guidance input to train with: leave it out")
+    if hasattr(args, "num_frames"):  # (the scripts that train on clips: common/video.py)
+        from .video import check_video_args
+
+        check_video_args(args, family, lambda: component_configs(args.pretrained_model_name_or_path, ("vae",),
+                                                                 args.revision, args.cache_dir)["vae"])
 
 
 def check_base_args(args, uses):

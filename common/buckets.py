@@ -155,11 +155,15 @@ class BucketBatchSampler:
 
 def batching(sizes, batch_size, seed, data):
     """The DataLoader's batching arguments: shuffled, or one bucket a batch (`sizes`: --buckets auto; `data`: the
-    ImageDataset whose epoch the loop sets). The loader has its own generator either way: it draws a seed from it at
-    every epoch's start, and a draw from the global RNG would put a resumed run one draw off."""
+    ImageDataset whose epoch the loop sets; clips of several lengths, a video family's, batch by length too). The
+    loader has its own generator either way: it draws a seed from it at every epoch's start, and a draw from the global
+    RNG would put a resumed run one draw off."""
     import torch
 
     generator = torch.Generator().manual_seed(seed)
+    frames = data.frame_counts() if hasattr(data, "frame_counts") else None  # (a video family's clips)
+    if frames and len(set(frames)) > 1:  # frame-count buckets: clips of one length a batch (an image: 1 frame)
+        sizes = [(tuple(key) if key else (), count) for key, count in zip(sizes or [None] * len(frames), frames)]
     if sizes is not None:
         return {"batch_sampler": BucketBatchSampler(sizes, batch_size, seed, data), "generator": generator}
     return {"batch_size": batch_size, "shuffle": True, "generator": generator}

@@ -1,5 +1,5 @@
-"""Images with same-name .txt captions beside them (the kohya sd-scripts, ai-toolkit and SimpleTuner layout), read
-as a datasets.DatasetDict.
+"""Images (and a video family's clips: video files, folders of frames, common/video.py) with same-name .txt captions
+beside them (the kohya sd-scripts, ai-toolkit and SimpleTuner layout), read as a datasets.DatasetDict.
 
 `cat/01.png` is captioned by `cat/01.txt` (`cat/01.caption` with --caption_extension .caption): UTF-8 text, its
 first non-empty line the caption, as kohya's sd-scripts read it; with --enable_wildcard (kohya's flag) every non-empty
@@ -10,7 +10,7 @@ datasets' imagefolder skips them. A tree with a datasets metadata file
 import os
 import re
 
-from .args import IMAGE_EXTENSIONS
+from .args import IMAGE_EXTENSIONS, VIDEO_EXTENSIONS
 from .cli import UserError
 
 METADATA_FILES = ("metadata.jsonl", "metadata.csv", "metadata.parquet")
@@ -78,17 +78,30 @@ def listed(paths):
     return ", ".join(paths[:SHOWN]) + (f" and {len(paths) - SHOWN} more" if len(paths) > SHOWN else "")
 
 
+def frame_folders(files, extension=CAPTION_EXTENSION):
+    """The folders of frames among `files` (relative paths): a folder holding image files with a caption file of its
+    own name beside it (`jump/000.png`..., `jump.txt`) is one clip."""
+    captions = {os.path.splitext(path)[0] for path in files if os.path.splitext(path)[1].lower() == extension}
+    return sorted({path.rpartition("/")[0] for path in files if path.rpartition("/")[0] in captions
+                   and os.path.splitext(path)[1].lower() in IMAGE_EXTENSIONS})
+
+
 def read_caption_folder(root, default_caption=None, extension=CAPTION_EXTENSION, every_line=False):
     """-> (image paths, caption lists), in sorted path order (every process sees the same). An image without a caption
     file (<name><extension>) takes [default_caption], or is an error naming the first few; so is a caption file
     without its image. `every_line`: read_caption_file's."""
     files = tree_files(root)
-    images = [path for path in files if os.path.splitext(path)[1].lower() in IMAGE_EXTENSIONS]
+    clips = frame_folders(files, extension)  # (video families: common/video.py)
+    media = IMAGE_EXTENSIONS | VIDEO_EXTENSIONS
+    images = sorted([path for path in files if os.path.splitext(path)[1].lower() in media
+                     and not path.startswith(tuple(folder + "/" for folder in clips))] + clips)
     if not images:
         raise UserError(f"--train_data_dir '{root}' holds no image files; put images in it, each with its caption "
                         f"in a {extension} file of the same name beside it (photo.png, photo{extension})")
     texts = {}
     for path in files:
+        if path.startswith(tuple(folder + "/" for folder in clips)):
+            continue
         stem, ext = os.path.splitext(path)
         if ext.lower() == extension:
             if stem in texts:

@@ -44,7 +44,10 @@ def sampling_scheduler(name, training_config, classes=None):
 def sampler_settings(cls, training_config):
     """The TRAINING_SETTINGS of `training_config` that the sampler class `cls` takes."""
     accepted = inspect.signature(cls.__init__).parameters
-    return {key: training_config[key] for key in TRAINING_SETTINGS if key in training_config and key in accepted}
+    settings = {key: training_config[key] for key in TRAINING_SETTINGS if key in training_config and key in accepted}
+    if "shift" in accepted and "shift" not in training_config and training_config.get("flow_shift"):
+        settings["shift"] = training_config["flow_shift"]  # (UniPC's flow-matching mode, Wan's: its name for it)
+    return settings
 
 
 def diffusion_target(scheduler, clean, noise, timesteps):

@@ -35,5 +35,5 @@ def draw_images(pipe, family, prompts, seeds, height, width, steps, guidance, ne
     with torch.no_grad():
         latents = pipe(prompt=list(prompts), height=height, width=width, num_inference_steps=steps,
                        generator=[torch.Generator().manual_seed(seed) for seed in seeds], output_type="latent",
-                       **kwargs).images
+                       **kwargs)[0]
     return decode_fp32(pipe, family.unpack_latents(pipe, latents, height, width), family.latent_config(pipe.vae))

@@ -6,18 +6,22 @@ Any PIL mode is accepted (converted to RGB). A file that cannot be decoded stops
 never skipped silently (a skipped image would change the data and its labels without a word): with the decode-once
 cache, before training starts. CachedLatents (--cache_latents of the Stable Diffusion trainers) holds each image's
 VAE latent distribution instead of its pixels. A loss mask (common/loss_masks.py) is decoded with its image as a
-fourth channel, so every resize, crop and flip of the image is the mask's too.
+fourth channel, so every resize, crop and flip of the image is the mask's too. A video family's items are clips
+(common/video.py), uint8 [F, 3, H, W], each frame resized, cropped and flipped alike.
 """
 import contextlib
 import io
 import logging
+import os
 
 import numpy as np
 import torch
 from PIL import Image, UnidentifiedImageError
 
+from .args import IMAGE_EXTENSIONS, VIDEO_EXTENSIONS
 from .cli import UserError, first_line, one_line
 from .loss_masks import dataset_masks
+from .video import MISSING_AV
 
 logger = logging.getLogger(__name__)
 
@@ -203,10 +207,9 @@ def readable(value, index=None):
 
 
 def image_sizes(dataset, image_column):
-    """(height, width) of every image of a `datasets.Dataset`, from the file headers (nothing decoded)."""
-    import datasets
-
-    values = dataset.cast_column(image_column, datasets.Image(decode=False))[image_column]
+    """(height, width) of every image of a `datasets.Dataset`, from the file headers (nothing decoded; a clip's first
+    frame)."""
+    values = undecoded(dataset, image_column)
     sizes = []
     for index, value in enumerate(values):
         with readable(value, index):
@@ -214,6 +217,9 @@ def image_sizes(dataset, image_column):
                 sizes.append(value.size[::-1])
                 continue
             path, data = value.get("path"), value.get("bytes")
+            if is_clip(path):  # a video file, a folder of frames: its first frame's
+                sizes.append(clip_size(value))
+                continue
             with Image.open(io.BytesIO(data) if data is not None else path) as image:
                 sizes.append(image.size[::-1])
     return sizes, [image_name(value, index) for index, value in enumerate(values)]
@@ -248,6 +254,121 @@ def resize_to_bucket(image, bucket):
     return torch.from_numpy(np.asarray(image).copy()).permute(2, 0, 1)
 
 
+# Clips (video families, common/video.py): video files (PyAV), animated GIF and WebP (Pillow), folders of frames.
+
+def is_clip(path):
+    """A video file or a folder of frames (anything else is read by Pillow: an image, or an animated GIF/WebP)."""
+    return bool(path) and (os.path.isdir(path) or os.path.splitext(path)[1].lower() in VIDEO_EXTENSIONS)
+
+
+def undecoded(dataset, column):
+    """A dataset column's values undecoded, {"path", "bytes"} each: a Video column's (a hub dataset's clips) as
+    videos, any other as images."""
+    import datasets
+
+    video = isinstance(dataset.features.get(column), getattr(datasets, "Video", ()))
+    return dataset.cast_column(column, (datasets.Video if video else datasets.Image)(decode=False))[column]
+
+
+def _video_frames(path, needed, data=None):
+    """The first `needed` frames of a video file (or its bytes, `data`), as PIL images (PyAV)."""
+    try:
+        import av
+    except ImportError:
+        raise UserError(f"cannot read '{path}': {MISSING_AV}") from None
+    frames = []
+    try:
+        with av.open(io.BytesIO(data) if data else path) as container:
+            for frame in container.decode(video=0):
+                frames.append(frame.to_image())
+                if len(frames) >= needed:
+                    break
+    except (av.FFmpegError, OSError, ValueError, IndexError) as err:
+        raise UserError(f"cannot read video '{path}': {one_line(err, 200)}; delete or replace that file (clips are "
+                        "never skipped)") from None
+    return frames
+
+
+def _pillow_frames(value, needed):
+    """The first `needed` frames of an image file (one, or an animated GIF/WebP's), as PIL images."""
+    from PIL import ImageSequence
+
+    with readable(value):
+        image = _open(value)
+        frames = []
+        for frame in ImageSequence.Iterator(image):
+            frames.append(to_rgb(frame.copy()))
+            if len(frames) >= needed:
+                break
+    return frames if frames else [Image.new("RGB", image.size)]
+
+
+def _folder_frames(path, needed):
+    """A folder of frames: its image files in name order, as PIL images."""
+    names = sorted(n for n in os.listdir(path) if os.path.splitext(n)[1].lower() in IMAGE_EXTENSIONS
+                   and not n.startswith("."))
+    if not names:
+        raise UserError(f"the folder of frames '{path}' holds no image files; put its frames in it (000.png, "
+                        "001.png, ...) or delete it")
+    frames = []
+    for name in names[:needed]:
+        value = {"path": os.path.join(path, name), "bytes": None}
+        with readable(value):
+            frames.append(to_rgb(_open(value)))
+    return frames
+
+
+def read_frames(value, num_frames=None, stride=1):
+    """A datasets Image value (a path or bytes) -> PIL frames: with num_frames, that many, `stride` apart, from the
+    first (an image: its one frame); else the first frame alone. One line for an unreadable, empty or short one."""
+    path = value.get("path") if isinstance(value, dict) else None
+    data = value.get("bytes") if isinstance(value, dict) else None
+    needed = 1 if not num_frames else (num_frames - 1) * stride + 1
+    if path and os.path.isdir(path):
+        frames = _folder_frames(path, needed)
+    elif path and os.path.splitext(path)[1].lower() in VIDEO_EXTENSIONS:  # (a file, or a hub dataset's bytes)
+        if not data and not os.path.isfile(path):
+            raise UserError(f"cannot read video '{path}': no such file; put it back or delete its caption")
+        if not data and os.path.getsize(path) == 0:
+            raise UserError(f"cannot read video '{path}': the file is empty; delete or replace it")
+        frames = _video_frames(path, needed, data)
+        if not frames:
+            raise UserError(f"cannot read video '{path}': it holds no frames; delete or replace it")
+    else:
+        frames = _pillow_frames(value, needed)
+    if len(frames) == 1 or not num_frames:
+        return frames[:1]  # an image: a clip of one frame
+    if len(frames) < needed:
+        fits = (len(frames) - 1) // (num_frames - 1) if num_frames > 1 else 0
+        offer = f"--frame_stride {fits}" if fits >= 1 else "fewer --num_frames"
+        raise UserError(f"'{path or 'a clip'}' has {len(frames)} frames, fewer than --num_frames {num_frames} at "
+                        f"--frame_stride {stride} need ({needed}); give {offer}, or a longer clip")
+    return frames[:needed:stride]
+
+
+def clip_length(value, num_frames):
+    """How many frames read_frames(value, num_frames) gives, from the file's kind (and an image's header) alone:
+    num_frames for a video file, a folder of frames or an animated image, 1 for a still."""
+    path = value.get("path") if isinstance(value, dict) else None
+    if not num_frames or num_frames == 1 or is_clip(path):
+        return num_frames or 1
+    with readable(value):
+        return num_frames if getattr(_open(value), "n_frames", 1) > 1 else 1
+
+
+def clip_size(value):
+    """(height, width) of a clip's or image's first frame."""
+    return read_frames(value)[0].size[::-1]
+
+
+def decode_clip(value, resolution, num_frames, stride=1, resize=None):
+    """A clip (or image) -> uint8 tensor [F, 3, H, W], each frame resized as `resize(frame, resolution)` does it
+    (common/image_data.py's resize_shorter_side or resize_to_bucket)."""
+    import torch
+
+    return torch.stack([resize(frame, resolution) for frame in read_frames(value, num_frames, stride)])
+
+
 def splitmix64(x):
     """A 64-bit integer -> 64 well-mixed bits (the SplitMix64 generator's output function)."""
     x = (x + 0x9E3779B97F4A7C15) & 0xFFFF_FFFF_FFFF_FFFF
@@ -274,10 +395,9 @@ class ImageDataset(torch.utils.data.Dataset):
 
     def __init__(self, dataset, image_column, resolution, center_crop=True, random_flip=False,
                  mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5), columns=None, seed=0, cache_limit_gb=4.0, sizes=None,
-                 original_sizes=None, masks=None, references=None):
-        import datasets
+                 original_sizes=None, masks=None, references=None, frames=None):
 
-        self.images = dataset.cast_column(image_column, datasets.Image(decode=False))[image_column]
+        self.images = undecoded(dataset, image_column)
         self.columns = columns or {}
         self.resolution, self.center_crop, self.random_flip = resolution, center_crop, random_flip
         self.sizes, self.original_sizes = sizes, original_sizes  # original_sizes: (height, width)s, for time_ids
@@ -286,8 +406,9 @@ class ImageDataset(torch.utils.data.Dataset):
         self.shift = -torch.tensor(mean, dtype=torch.float32).view(3, 1, 1) / torch.tensor(std).view(3, 1, 1)
         self.seed, self.epoch = seed, 0
         self.masks, self.references = masks, references
+        self.frames = frames  # (num_frames, frame_stride): clips, [F, 3, H, W] (common/video.py); None: images
         self.cache = None
-        channels = 3 + (masks is not None) + 3 * len(references[0] if references else ())
+        channels = (3 + (masks is not None) + 3 * len(references[0] if references else ())) * (frames or [1])[0]
         if len(self.images) * channels * resolution * resolution <= cache_limit_gb * 2**30:
             values = self.images[:]  # the whole column in one read (row by row is far slower)
             self.cache = stack_if_uniform([self._decode(i, value) for i, value in enumerate(values)])
@@ -305,11 +426,26 @@ class ImageDataset(torch.utils.data.Dataset):
 
     def _decode(self, index, value=None):
         value = self.images[index] if value is None else value
+        if self.frames:  # a clip (an image: one frame) [F, 3, H, W]
+
+
+            resize = resize_shorter_side if isinstance(self.target(index), int) else resize_to_bucket
+            return decode_clip(value, self.target(index), *self.frames, resize=resize)
         return decode_image(value, self.target(index), index, self.mask_source(index),
                             self.references[index] if self.references else ())
 
     def set_epoch(self, epoch):
         self.epoch = epoch
+
+    def frame_counts(self):
+        """Each item's frame count (clips: common/video.py), for batches of one length; None for images."""
+        if not self.frames:
+            return None
+        if isinstance(self.cache, torch.Tensor):
+            return [self.cache.shape[1]] * len(self)
+        if self.cache is not None:
+            return [len(clip) for clip in self.cache]
+        return [clip_length(value, self.frames[0]) for value in self.images]
 
     def augmentation(self, index, h, w):
         """(top, left, flip) of item `index` (an h x w image) in the current epoch: 64 random bits hashed from
@@ -342,9 +478,9 @@ class ImageDataset(torch.utils.data.Dataset):
         current epoch."""
         pixels = self.cache[index] if self.cache is not None else self._decode(index)
         rh, rw = self.crop_size(index)
-        _, h, w = pixels.shape
+        h, w = pixels.shape[-2:]
         top, left, flip = self.placement(index, h, w)
-        pixels = pixels[:, top:top + rh, left:left + rw]
+        pixels = pixels[..., top:top + rh, left:left + rw]
         return pixels.flip(-1) if flip else pixels
 
     def time_ids(self, indices):
@@ -399,7 +535,7 @@ class ImageDataset(torch.utils.data.Dataset):
         fixed = self.fixed_crop(*self.cache.shape[-2:], rh, rw) if isinstance(self.cache, torch.Tensor) else None
         if fixed:
             top, left = fixed
-            pixels = self.cache.index_select(0, index)[:, :, top:top + rh, left:left + rw]
+            pixels = self.cache.index_select(0, index)[..., top:top + rh, left:left + rw]
         else:
             pixels = torch.stack([self.crop(i) for i in indices])
         return {**self.pixels_and_mask(pixels),
@@ -449,8 +585,9 @@ class CachedLatents:
 
         self.images = images
         groups = {}
+        frames = images.frame_counts() or [1] * len(images)  # (clips of one length a group)
         for i in range(len(images)):
-            groups.setdefault(images.crop_size(i), []).append(i)
+            groups.setdefault((images.crop_size(i), frames[i]), []).append(i)
         params, masks, references = [None] * len(images), [None] * len(images), [None] * len(images)
         for members in groups.values():
             for start in range(0, len(members), batch_size):
@@ -559,17 +696,21 @@ def image_datasets(args, train_ds, held_out_ds, sizes=None, held_out_sizes=None,
     each image's bucket (--buckets auto); `time_ids`: each image's original size kept, for SDXL's time ids; with
     --masked_loss each image's mask (common/loss_masks.py), the held-out images' too; `masked_rows`: only the first
     training rows have masks (DreamBooth's class images after them train everywhere); `references`: each training
-    and held-out image's reference images (edit LoRAs: common/references.py's References.rows)."""
+    and held-out image's reference images (edit LoRAs: common/references.py's References.rows). A video family's
+    items are clips (args.clip_frames)."""
     def originals(dataset):
         return image_sizes(dataset, args.image_column)[0] if time_ids else None
+
+    clips = getattr(args, "clip_frames", None)  # a video family's (common/video.py: check_video_args)
 
     train = ImageDataset(train_ds, args.image_column, args.resolution, center_crop=args.center_crop,
                          random_flip=args.random_flip, columns={"index": torch.arange(len(train_ds))}, seed=args.seed,
                          sizes=sizes, original_sizes=originals(train_ds),
-                         masks=dataset_masks(args, train_ds, masked_rows), references=references[0])
+                         masks=dataset_masks(args, train_ds, masked_rows), references=references[0], frames=clips)
     held_out = None if held_out_ds is None else ImageDataset(
         held_out_ds, args.image_column, args.resolution, center_crop=True, seed=args.seed, sizes=held_out_sizes,
-        original_sizes=originals(held_out_ds), masks=dataset_masks(args, held_out_ds), references=references[1])
+        original_sizes=originals(held_out_ds), masks=dataset_masks(args, held_out_ds), references=references[1],
+        frames=clips)
     return train, held_out
 
 

@@ -53,6 +53,7 @@ def lora_info(args):
             "max_sequence_length": args.max_sequence_length,  # T5's prompt length: sample.py's default too
             "drop_t5": args.drop_t5,  # trained without T5 (SD3): sample.py draws without it too
             "resolution": args.resolution,  # the training size: sample.py's default size
+            "num_frames": (getattr(args, "clip_frames", None) or [None])[0],  # a video LoRA's: sample.py's default
             "ema_weights": args.use_ema,  # the weights in pytorch_lora_weights.safetensors are the EMA ones
             "references": len(args.control_data_dir or args.control_image_column),  # an edit LoRA's reference images
             "trigger": args.instance_prompt or args.caption_prefix.strip(" ,") or None}  # what prompts need to show it

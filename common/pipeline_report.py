@@ -70,18 +70,44 @@ def describe(pipe, labels, args):
     height, width = image_size(pipe, args)
     vae = getattr(pipe, "vae", None)
     if vae is not None:
-        c, factor = vae.config, pipe.vae_scale_factor
-        report["vae"] = {"class": type(vae).__name__, **pick(c, ["scaling_factor", "shift_factor", "latent_channels",
-                                                                 "z_dim", "block_out_channels"]),
-                         "downsampling_factor": factor, "image_shape": [args.num_images, 3, height, width],
-                         "latent_shape": [args.num_images, c.get("latent_channels") or c.get("z_dim"),  # (3-D VAEs)
-                                          height // factor, width // factor]}
+        c, factor = vae.config, vae_scale(pipe)
         family = pipeline_family(pipe)
+        frames = clip_frames(pipe, args)  # a video family's clip: [B, 3, F, H, W] -> [B, C, f, h, w]
+        clip = [frames] if frames else []
+        latent_clip = [family.latent_frames(frames, c)] if frames else []
+        report["vae"] = {"class": type(vae).__name__, **pick(c, ["scaling_factor", "shift_factor", "latent_channels",
+                                                                 "z_dim", "block_out_channels", "latents_mean",
+                                                                 "latents_std"]),
+                         "downsampling_factor": factor, "image_shape": [args.num_images, 3, *clip, height, width],
+                         "latent_shape": [args.num_images, c.get("latent_channels") or c.get("z_dim"),  # (3-D VAEs)
+                                          *latent_clip, height // factor, width // factor]}
         if family is not None and hasattr(family, "packed_shape"):  # Flux: the transformer sees 2 x 2 patches
             report["vae"]["packed_latent_shape"] = family.packed_shape(report["vae"]["latent_shape"])
     else:
         report["image_shape"] = [args.num_images, model.config.in_channels, height, width]
     return report
+
+
+def vae_scale(pipe):
+    """The VAE's downsampling factor as the pipeline holds it (Wan's: vae_scale_factor_spatial)."""
+    from .vae import vae_factor
+
+    return getattr(pipe, "vae_scale_factor", None) or vae_factor(dict(pipe.vae.config))
+
+
+def clip_frames(pipe, args):
+    """A video family's clip length for the call (--num_frames, else a LoRA's training clips', else the family's
+    default), None for an image pipeline."""
+    family = pipeline_family(pipe)
+    if not getattr(family, "VIDEO", False):
+        if getattr(args, "num_frames", None):
+            raise UserError(f"--num_frames: {type(pipe).__name__} draws images, not clips; leave it out")
+        return None
+    lora = getattr(args, "lora", None)
+    info = read_lora_info(lora) if lora and os.path.isdir(lora) else None
+    frames = getattr(args, "num_frames", None) or (info or {}).get("num_frames") or family.SAMPLE_FRAMES
+    family.check_frames(frames, pipe.vae.config)
+    return frames
 
 
 def pipeline_family(pipe):
@@ -102,7 +128,7 @@ def image_size(pipe, args):
         if args.height or args.width:
             raise UserError(f"--height/--width: {type(pipe).__name__} samples at its UNet's sample_size {size}")
         return size
-    factor, why = pipe.vae_scale_factor, "the VAE's downsampling factor"
+    factor, why = vae_scale(pipe), "the VAE's downsampling factor"
     if family is not None:
         denoiser = getattr(pipe, family.DENOISER)
         factor = family.resolution_factor({"vae": pipe.vae.config, family.DENOISER: denoiser.config})

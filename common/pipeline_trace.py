@@ -9,7 +9,7 @@ import time
 
 from .cli import UserError, first_line
 from .diffusion import DEFAULT_GUIDANCE_SCALE, sample_images, to_pil
-from .pipeline_report import image_size, pipeline_family, pipeline_guidance, unpack_latents
+from .pipeline_report import clip_frames, image_size, pipeline_family, pipeline_guidance, unpack_latents
 from .pipelines import class_label_ids
 from .vae import decode_fp32
 
@@ -206,8 +206,9 @@ def trace_sd(pipe, args, rec, generator, steps_kept):
     rec.wrap(pipe.vae, "decode", lambda a, kw, out, ms, start: rec.add(
         "vae.decode", ms, latents=shape(a[0] if a else kw["z"]), image=shape(out[0]),
         note=f"in: {scale}; out: pixels in [-1, 1]"))
-    rec.wrap(pipe.image_processor, "postprocess", lambda a, kw, out, ms, start: rec.add(
-        "image_processor.postprocess", ms, image=shape(a[0] if a else kw["image"]),
+    processor = "image_processor" if hasattr(pipe, "image_processor") else "video_processor"  # (Wan: per clip)
+    rec.wrap(getattr(pipe, processor), "postprocess", lambda a, kw, out, ms, start: rec.add(
+        f"{processor}.postprocess", ms, image=shape(a[0] if a else kw["image"]),
         output=f"{len(out)} x {type(out[0]).__name__} {getattr(out[0], 'size', '')}"))
 
     def on_step_end(pipeline, i, t, tensors):  # the pipeline's own hook point: what it carries to the next step
@@ -217,17 +218,21 @@ def trace_sd(pipe, args, rec, generator, steps_kept):
     height, width = image_size(pipe, args)
     inputs = [k for k in ("latents", "prompt_embeds", "add_text_embeds", "add_time_ids")
               if k in getattr(pipe, "_callback_tensor_inputs", [])]
+    frames = clip_frames(pipe, args)  # a video pipeline's clip (Wan): its frames, and one clip per "image"
+    count = {"num_frames": frames, "num_videos_per_prompt": args.num_images} if frames else {
+        "num_images_per_prompt": args.num_images}
     try:
         images = pipe(prompt=args.prompt, num_inference_steps=args.num_inference_steps, height=height, width=width,
-                      **pipeline_guidance(pipe, args.guidance_scale, args.num_images),
-                      num_images_per_prompt=args.num_images, generator=generator, callback_on_step_end=on_step_end,
-                      callback_on_step_end_tensor_inputs=inputs).images
+                      **pipeline_guidance(pipe, args.guidance_scale, args.num_images), **count,
+                      generator=generator, callback_on_step_end=on_step_end,
+                      callback_on_step_end_tensor_inputs=inputs)[0]
     except ValueError as err:
         raise UserError(f"{type(pipe).__name__} refused the call: {first_line(err)}") from None
+    images = [clip[0] for clip in images] if frames else images  # (each clip's first frame)
     time_ids = "_get_add_time_ids, " if hasattr(pipe, "_get_add_time_ids") else ""
     how = (f"{type(pipe).__name__}.__call__, recorded by forward hooks on the text encoder(s) and {name}, wrappers "
            f"around {time_ids}prepare_latents, scheduler.set_timesteps/step, vae.decode and "
-           "image_processor.postprocess, and callback_on_step_end")
+           f"{processor}.postprocess, and callback_on_step_end")
     if getattr(pipe.config, "force_zeros_for_empty_prompt", False) and any("guidance" in s for s in rec.stages):
         how += "; no negative prompt: the unconditional embeddings are zeros (force_zeros_for_empty_prompt)"
     return how, images
@@ -289,6 +294,7 @@ def trace(pipe, args, labels, device):
             family = pipeline_family(pipe)
             panels = decode_fp32(pipe, unpack_latents(pipe, x0.to(device), height, width),
                                  family.latent_config(pipe.vae) if family is not None else None)
+            panels = [p[0] if isinstance(p, list) else p for p in panels]  # (a clip: its first frame)
         else:
             panels = to_pil((x0 / 2 + 0.5).clamp(0, 1))
     return report, images, panels

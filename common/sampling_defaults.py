@@ -18,7 +18,8 @@ import os
 import re
 
 CARD = "README.md"
-CARD_KEYS = ("height", "width", "num_inference_steps", "guidance_scale", "true_cfg_scale", "max_sequence_length")
+CARD_KEYS = ("height", "width", "num_inference_steps", "guidance_scale", "true_cfg_scale", "max_sequence_length",
+             "num_frames")
 
 
 def card_call(folder):
@@ -78,6 +79,7 @@ def sampling_defaults(family, base, denoiser_config, info=None, unconditional=Fa
             "num_inference_steps": card.get("num_inference_steps") or family.SAMPLE_STEPS,
             "guidance_scale": default_guidance(family, denoiser_config, card, unconditional),
             "max_sequence_length": info.get("max_sequence_length") or card.get("max_sequence_length"),
+            "num_frames": info.get("num_frames") or card.get("num_frames"),  # (a video family's clips)
             "drop_t5": bool(info.get("drop_t5"))}
 
 
@@ -157,8 +159,10 @@ def pipeline_snippet(family, base, prompt, call, lora=None, swap=None, load=None
     pipeline = family.EDIT_PIPELINE if references else family.PIPELINE
     imports = sorted({pipeline, *([swap[0]] if swap else [])})
     options = "".join(f", {key}={literal(value)}" for key, value in (load or {}).items())
+    clip = call.get("num_frames", 1) > 1  # a video family's clip: its frames as an animated GIF
     lines = ["import torch", f"from diffusers import {', '.join(imports)}",
-             *(["from diffusers.utils import load_image"] if references else []), "",
+             *(["from diffusers.utils import load_image"] if references else []),
+             *(["from diffusers.utils import export_to_gif"] if clip else []), "",
              f"pipe = {pipeline}.from_pretrained({literal(base)}{options})"]
     if swap:
         settings = "".join(f", {key}={literal(value)}" for key, value in swap[1].items())
@@ -166,17 +170,19 @@ def pipeline_snippet(family, base, prompt, call, lora=None, swap=None, load=None
     if lora:
         lines.append(f"pipe.load_lora_weights({literal(lora)})")
     lines += [f"{reference_name(i, references)} = load_image({literal(path)})" for i, path in enumerate(references)]
-    head = "image = pipe("
+    video = getattr(family, "VIDEO", False)  # (WanPipeline's output: frames, PIL images with output_type="pil")
+    head = "video = pipe(" if clip else "image = pipe("
     parts = [prompt_argument(pipeline, prompt), *(f"{key}={literal(value)}" for key, value in call.items()),
-             f"generator=torch.Generator().manual_seed({seed})"]
+             f"generator=torch.Generator().manual_seed({seed})", *(['output_type="pil"'] if video else [])]
+    end = ").frames[0]" if clip else ").frames[0][0]" if video else ").images[0]"
     line = head
     for i, part in enumerate(parts):
-        part += ").images[0]" if i == len(parts) - 1 else ","
+        part += end if i == len(parts) - 1 else ","
         if len(line) + len(part) + 1 > 116 and line.strip() != head.strip():
             lines.append(line.rstrip())
             line = " " * len(head)
         line += part if line.endswith(("(", " ")) else " " + part
-    lines += [line, 'image.save("sample.png")']
+    lines += [line, 'export_to_gif(video, "sample.gif", fps=16)' if clip else 'image.save("sample.png")']
     return "\n".join(lines)
 
 
@@ -224,6 +230,8 @@ def model_snippet(family, path, prompt, info, base=None, lora=None, unconditiona
     if references:
         codes = [ReferenceCode(reference_name(i, references)) for i in range(len(references))]
         call = {**family.reference_kwargs(codes, height, width), **call}
+    if getattr(family, "VIDEO", False):  # (as sample.py: the LoRA's clips, the card's, the pipeline's)
+        call["num_frames"] = defaults["num_frames"] or family.SAMPLE_FRAMES
     swap = scheduler_swap(family, base_scheduler(path, revision, cache_dir), info.get("prediction_type"))
     load = loading_options(family, revision, info.get("variant"), defaults["drop_t5"])
     return pipeline_snippet(family, path, prompt, call, lora=lora, swap=swap, load=load, references=references)

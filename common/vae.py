@@ -9,8 +9,8 @@ pipeline's latents decoded in fp32. A 3-D causal VAE (Qwen-Image's, Wan's) sees 
 def vae_factor(vae_config):
     """The VAE's downsampling factor (8 for Stable Diffusion, Flux and Qwen-Image; a 3-D VAE's as its pipelines
     count it, one halving per temporal level)."""
-    if is_video_vae(vae_config):
-        return 2 ** len(vae_config["temperal_downsample"])
+    if is_video_vae(vae_config):  # (Wan 2.2's: 2 x 2 patches before its levels, scale_factor_spatial 16)
+        return vae_config.get("scale_factor_spatial") or 2 ** len(vae_config["temperal_downsample"])
     return 2 ** (len(vae_config.get("block_out_channels", (0,) * 4)) - 1)
 
 
@@ -29,11 +29,12 @@ def is_video_vae(vae_config):
 def encode_params(vae, pixels):
     """Pixels in [-1, 1] -> the parameters (mean, log-variance) of the VAE's latent distribution, computed in fp32
     with autocast off whatever the run's mixed precision. Images [B, 3, H, W] through a 3-D VAE go in as one frame and
-    come out as [B, 2C, h, w]."""
+    come out as [B, 2C, h, w]; clips [B, F, 3, H, W] (the data's layout) go in as [B, 3, F, H, W] and come out as
+    [B, 2C, f, h, w]."""
     import torch
 
     one_frame = pixels.ndim == 4 and is_video_vae(vae.config)
-    pixels = pixels[:, :, None] if one_frame else pixels
+    pixels = pixels[:, :, None] if one_frame else pixels.transpose(1, 2) if pixels.ndim == 5 else pixels
     with torch.no_grad(), torch.autocast(vae.device.type, enabled=False):
         params = vae.encode(pixels.to(vae.device, torch.float32)).latent_dist.parameters
     return params[:, :, 0] if one_frame else params
@@ -104,14 +105,15 @@ def sample_latents(params, vae_config, mode="sample"):
 
 def mean_latents(params, vae_config):
     """The distribution's mean (no sampling), normalized: what the held-out loss measures on (params [2C, h, w] of
-    one image)."""
-    mean = params.float().chunk(2, dim=-3)[0]
+    one image, or a batch's: [B, 2C, h, w], clips [B, 2C, f, h, w])."""
+    mean = params.float().chunk(2, dim=0 if params.ndim == 3 else 1)[0]
     return normalize(vae_config, mean[None])[0] if mean.ndim == 3 else normalize(vae_config, mean)
 
 
 def decode_fp32(pipe, latents, latent_config=None):
     """The denoiser's latents [B, C, h, w] -> PIL images with the pipeline's VAE in fp32 (an fp16 VAE overflows into
-    black images), through the pipeline's safety checker when it has one, as its own output_type="pil" would.
+    black images), through the pipeline's safety checker when it has one, as its own output_type="pil" would; a
+    video family's clips [B, C, f, h, w] -> a list of frames (PIL images) per clip, as its output_type="pil".
     latent_config: the family's (family.latent_config(pipe.vae)); default the VAE's config."""
     import torch
 
@@ -121,8 +123,11 @@ def decode_fp32(pipe, latents, latent_config=None):
         one_frame = latents.ndim == 4 and is_video_vae(vae.config)
         image = vae.decode(latents[:, :, None] if one_frame else latents).sample
         image = image[:, :, 0] if one_frame else image
+        if image.ndim == 5:  # clips [B, 3, F, H, W]
+            return pipe.video_processor.postprocess_video(image.float(), output_type="pil")
         nsfw = None
         if getattr(pipe, "safety_checker", None) is not None:
             image, nsfw = pipe.run_safety_checker(image, image.device, pipe.safety_checker.dtype)
     denormalize_pixels = None if nsfw is None else [not flagged for flagged in nsfw]
-    return pipe.image_processor.postprocess(image.float(), output_type="pil", do_denormalize=denormalize_pixels)
+    processor = getattr(pipe, "image_processor", None) or pipe.video_processor
+    return processor.postprocess(image.float(), output_type="pil", do_denormalize=denormalize_pixels)

@@ -1,8 +1,8 @@
-"""Validation images of the text-to-image trainers, for any family: the family's pipeline built around the weights
-being trained, drawn from the cached prompt embeddings when the text encoders are frozen (they may have left the
-accelerator), decoded by the VAE in fp32, saved under samples/step-N/ and logged to the trackers. Edit LoRAs: the
-family's edit pipeline draws from the reference images, and the base draws too (adapters off, same seeds): the
-trackers get reference | base | LoRA side by side."""
+"""Validation images of the text-to-image trainers (a video family's: clips, as animated GIFs), for any family: the
+family's pipeline built around the weights being trained, drawn from the cached prompt embeddings when the text
+encoders are frozen (they may have left the accelerator), decoded by the VAE in fp32, saved under samples/step-N/ and
+logged to the trackers. Edit LoRAs: the family's edit pipeline draws from the reference images, and the base draws too
+(adapters off, same seeds): the trackers get reference | base | LoRA side by side."""
 import os
 
 
@@ -19,6 +19,7 @@ def validation_images(args, accelerator, family, parts, scheduler, step, sizes=N
 
     from .diffusion import image_grid, sampling_scheduler
     from .reporting import log_image
+    from .video import save_clip
 
     if references:  # (edit LoRAs)
         from .references import adapters_off, side_by_side
@@ -58,10 +59,14 @@ def validation_images(args, accelerator, family, parts, scheduler, step, sizes=N
                     text.update(family.reference_kwargs(references, height, width))
                 images = draw(pipe, family, args, accelerator, text, height, width)
                 size = f"-{width}x{height}" if s else ""  # the first size keeps the plain names
+                clips = images and isinstance(images[0], list)  # (a video family's: each a list of frames)
                 for j, image in enumerate(images):
-                    paths.append(os.path.join(folder, f"{p}-{j}{size}.png"))
-                    image.save(paths[-1])
-                grid = image_grid(images, ncol=len(images))
+                    paths.append(os.path.join(folder, f"{p}-{j}{size}.{'gif' if clips else 'png'}"))
+                    if clips:
+                        save_clip(image, paths[-1])
+                    else:
+                        image.save(paths[-1])
+                grid = image_grid(sum(images, []), ncol=len(images[0])) if clips else image_grid(images, len(images))
                 if references:  # a row per image: the reference(s), the base's output (same seed), the LoRA's
                     with adapters_off(models):
                         base = draw(pipe, family, args, accelerator, text, height, width)
@@ -80,11 +85,13 @@ def draw(pipe, family, args, accelerator, kwargs, height, width):
     import torch
 
     from .vae import decode_fp32
+    from .video import frame_kwargs
 
     generators = [torch.Generator().manual_seed(args.seed + j) for j in range(args.num_validation_images)]
     with torch.no_grad(), accelerator.autocast():
         latents = pipe(**kwargs, num_inference_steps=args.validation_inference_steps, generator=generators,
-                       height=height, width=width, output_type="latent").images
+                       height=height, width=width, output_type="latent",
+                       **frame_kwargs(family, getattr(args, "num_frames", None)))[0]
     return decode_fp32(pipe, family.unpack_latents(pipe, latents, height, width), family.latent_config(pipe.vae))
 
 

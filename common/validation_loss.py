@@ -57,7 +57,7 @@ class HeldOutLoss:
         items = []
         for i in range(n):
             image = held_out[i]
-            latent = mean_latents(encode(image["pixel_values"][None])[0].cpu().float(), vae_config)
+            latent = mean_latents(encode(image["pixel_values"][None]).cpu().float(), vae_config)[0]  # (a clip too)
             mask = latent_mask(image["mask"][None], latent[None])[0].cpu() if "mask" in image else None
             for j in range(k):
                 noise = torch.randn(latent.shape, generator=generator)  # drawn for every item on every process

@@ -235,6 +235,16 @@ def tiny_qwen_image(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_wan(tmp_path_factory):
+    """The tiny random-init Wan 2.1 text-to-video pipeline of `make tiny-wan`, built once per test session."""
+    from demo.tiny_wan import write_tiny_wan
+
+    path = tmp_path_factory.mktemp("models") / "tiny-wan"
+    write_tiny_wan(str(path))
+    return path
+
+
+@pytest.fixture(scope="session")
 def tiny_flux2_klein(tmp_path_factory):
     """The tiny random-init FLUX.2 klein pipeline of `make tiny-flux2-klein`, built once per test session."""
     from demo.tiny_flux2 import write_tiny_flux2_klein

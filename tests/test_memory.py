@@ -42,7 +42,7 @@ def one_thread():
 
 
 # family: (latent channels, T5 width, pooled width) of its tiny denoiser: the shipped Flux.1 base's, SD3's tiny layout
-INPUTS = {"flux": (4, 64, 32), "sd3": (16, 96, 80)}
+INPUTS = {"flux": (4, 64, 32), "sd3": (16, 96, 80), "wan": (16, 32, 1)}  # (Wan: an image, one frame)
 
 
 def tiny_denoiser(dtype=torch.float32, dora=False, fp8=False, nf4=False, swap=0, family="flux", adapter="lora"):
@@ -59,6 +59,11 @@ def tiny_denoiser(dtype=torch.float32, dora=False, fp8=False, nf4=False, swap=0,
     torch.manual_seed(0)
     if family == "flux":
         model = FluxTransformer2DModel.from_pretrained(BASE / "transformer", torch_dtype=dtype)
+    elif family == "wan":  # (demo/tiny_wan.py's layout, 3 blocks)
+        from diffusers import WanTransformer3DModel
+
+        from demo.tiny_wan import TINY
+        model = WanTransformer3DModel(**dict(TINY["transformer"], num_layers=3)).to(dtype)
     else:
         model = SD3Transformer2DModel.from_config(dict(tiny_configs("sd3")["transformer"], num_layers=3)).to(dtype)
     model.requires_grad_(False)
@@ -109,7 +114,8 @@ def step(model, autocast=False, family="flux"):
 
 
 @pytest.mark.parametrize("family,swap,kind", [("flux", 1, "lora"), ("flux", 4, "dora"), ("flux", 2, "fp8"),
-                                             ("flux", 2, "lokr-fp8"), ("flux", 3, "nf4"), ("sd3", 3, "fp8")])
+                                             ("flux", 2, "lokr-fp8"), ("flux", 3, "nf4"), ("sd3", 3, "fp8"),
+                                             ("wan", 2, "fp8")])
 def test_block_swap_is_bitwise_no_swap_and_really_moves_the_blocks(family, swap, kind):
     if kind == "nf4":
         pytest.importorskip("bitsandbytes")

@@ -621,3 +621,33 @@ def test_flux2_ui_file_refuses_a_dora_on_part_of_a_fused_weight():
     with pytest.raises(UserError) as err:
         flux2_klein.ui_lora({"transformer": get_peft_model_state_dict(model)}, 2, model.config)
     assert "DoRA" in str(err.value) and "target all three" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_wan_transformer_names_are_comfyuis():
+    """wan.ui_lora on a LoRA over the attention and feed-forward layers of the tiny build's Wan transformer: each
+    module under ComfyUI's native Wan name (`diffusion_model.blocks.N.self_attn.q`...: its map has no diffusers branch
+    for Wan), pinned in tests/data/comfyui_lora_keys_wan.json.gz by tests/tools/comfyui_wan.py, which also ran ComfyUI's
+    loader on train_lora.py's files (docs/train_lora.md), onto the weight of that name, with its alpha; a module
+    ComfyUI has no LoRA name for is one line. (tests/test_video.py: diffusers reads the file back exactly.)"""
+    from diffusers import WanTransformer3DModel
+    from peft import LoraConfig
+    from peft.utils import get_peft_model_state_dict
+
+    from common.cli import UserError
+    from common.families import wan
+    from demo.tiny_wan import TINY
+
+    with gzip.open(ROOT / "tests" / "data" / "comfyui_lora_keys_wan.json.gz", "rt") as f:
+        comfyui = json.load(f)
+    model = WanTransformer3DModel(**TINY["transformer"])
+    model.add_adapter(LoraConfig(r=4, lora_alpha=2, target_modules=["to_q", "to_k", "to_v", "to_out.0",
+                                                                     "ffn.net.0.proj", "ffn.net.2"]))
+    weights = wan.ui_lora({"transformer": get_peft_model_state_dict(model)}, 2, model.config)
+    names = {key.rsplit(".", 2 if key.endswith(".weight") else 1)[0] for key in weights}
+    assert len(names) == 10 * TINY["transformer"]["num_layers"] and names <= set(comfyui)
+    for name in names:
+        assert comfyui[name] == f"{name}.weight"
+        assert weights[f"{name}.alpha"].item() / weights[f"{name}.lora_A.weight"].shape[0] == 2 / 4
+    model.add_adapter(LoraConfig(r=4, target_modules=["condition_embedder.text_embedder.linear_1"]), "other")
+    with pytest.raises(UserError, match="has no name for the module 'condition_embedder.text_embedder.linear_1'"):
+        wan.ui_lora({"transformer": get_peft_model_state_dict(model, adapter_name="other")}, 4, model.config)

@@ -1,0 +1,232 @@
+"""Wan 2.1 text-to-video and Wan 2.2 TI2V-5B in its text-to-video mode (WanPipeline): a 3-D transformer trained by flow
+matching on the latents of a 3-D causal VAE (AutoencoderKLWan: 4x fewer frames, 8x fewer pixels a side, 16 channels
+normalised by its config's per-channel latents_mean and latents_std, no scaling factor), which it cuts into 1 x 2 x 2
+patches itself, conditioned on the last hidden states of UMT5 over the cleaned prompt (the pipeline's prompt_clean),
+zeros after each prompt's end, no mask given to the transformer. The transformer takes the timestep in the
+scheduler's units (sigma x 1000) and predicts the velocity noise - x0; the training sigmas are the scheduler's,
+shifted by its config's shift (what the pipeline samples with), no loss weighting, on the latent distribution's mode.
+The pipeline guides by classifier-free guidance against the negative (default empty) prompt.
+
+Latents are [B, C, F, h, w] for clips and [B, C, h, w] for images, which train as clips of one frame (the VAE adds and
+drops that frame axis, common/vae.py; `denoise` here does the same for the transformer). LoRA on UMT5 is not offered.
+TI2V-5B's VAE cuts 2 x 2 patches first (48 channels, scale_factor_spatial 16) and its pipeline gives the transformer
+one timestep per token (expand_timesteps), all equal without a first frame: the same as one per clip. Wan 2.2 A14B
+(two experts switched at a boundary timestep) is refused until its experts train (check_base).
+"""
+from ..cli import UserError
+from ..diffusion import FLOW_SCHEDULER_CLASSES
+from ..ui_lora import DIFFUSERS_IMPLEMENTATION, DIFFUSERS_SUFFIXES
+from ..ui_lora import ui_lora as named_lora
+from ..vae import vae_factor
+from . import embedding_kwargs, every_target, no_empty_prompt_zeros, t5_text_length, vae_latents
+
+KEY = "wan"
+NAME = "Wan"
+PIPELINE = "WanPipeline"
+DENOISER = "transformer"
+REFERENCES = 0  # reference images (edit LoRAs): none for this family
+EDIT_PIPELINE = None
+SWAP_BLOCKS = ("blocks",)  # the denoiser's blocks, in the order its forward runs them
+# What its LoRA files say of their base (musubi-tuner's ss_base_model_version "wan2.1_...", ModelSpec's architecture),
+# and tensor names only its LoRAs have: its `blocks` under diffusers', ComfyUI's and kohya's prefixes.
+LORA_METADATA = {"ss_base_model_version": ("wan",), "modelspec.architecture": ("wan", "Wan")}
+LORA_KEY_PREFIXES = ("transformer.blocks.", "diffusion_model.blocks.", "lora_unet_blocks_")
+OBJECTIVE = "flow"
+FLOW_DEFAULTS = {"weighting_scheme": "none", "precondition_outputs": 0}
+COMPONENTS = {"scheduler": ("common.families.wan", "TrainingScheduler"),  # (FlowMatchEulerDiscreteScheduler)
+              "tokenizer": ("transformers", "AutoTokenizer"), "text_encoder": ("transformers", "UMT5EncoderModel"),
+              "vae": ("diffusers", "AutoencoderKLWan"), "transformer": ("diffusers", "WanTransformer3DModel")}
+TEXT_ENCODERS = ("text_encoder",)  # UMT5-XXL (5.7 B parameters in Wan 2.1)
+LORA_TEXT_ENCODERS = ()  # no LoRA on UMT5
+LORA_TARGETS = "to_k,to_q,to_v,to_out.0"  # every block's self- and cross-attention
+TEXT_LORA_TARGETS = ()
+TIME_IDS = False
+MAX_SEQUENCE_LENGTH = 512  # WanPipeline's default prompt length
+TRAINING_GUIDANCE = None
+OPTIONAL_COMPONENTS = None
+SAMPLERS = FLOW_SCHEDULER_CLASSES
+SAMPLER, SAMPLE_STEPS, SAMPLE_GUIDANCE = "euler", 50, 5.0  # WanPipeline's defaults
+SAMPLE_FLAGS = ("negative_prompt", "max_sequence_length", "num_frames")
+SAMPLE_FRAMES = 81  # WanPipeline's default clip length
+LORA_SCALE_ARGUMENT = "attention_kwargs"  # the pipeline call's argument that scales the LoRAs
+PIPELINE_EXTRAS = {}
+SINGLE_FILE = False  # no single-file checkpoint layout here (train_text_to_image.py --save_model_as)
+NATIVE_SIZE_FROM = "pipeline"  # WanPipeline's default: 480 x 832
+RESOLUTION_FACTOR = "the VAE's downsampling factor times the transformer's patch (16 for Wan 2.1)"
+DEFAULT_SIZE = (480, 832)  # WanPipeline's default height and width
+VIDEO = True  # latents may carry a frame axis: [B, C, F, h, w]
+# diffusers' module names -> ComfyUI's native Wan names (comfy/ldm/wan/model.py), which its LoRA map reads as they are
+UI_NAMES = {"attn1.to_q": "self_attn.q", "attn1.to_k": "self_attn.k", "attn1.to_v": "self_attn.v",
+            "attn1.to_out.0": "self_attn.o", "attn2.to_q": "cross_attn.q", "attn2.to_k": "cross_attn.k",
+            "attn2.to_v": "cross_attn.v", "attn2.to_out.0": "cross_attn.o", "attn2.add_k_proj": "cross_attn.k_img",
+            "attn2.add_v_proj": "cross_attn.v_img", "ffn.net.0.proj": "ffn.0", "ffn.net.2": "ffn.2"}
+
+
+class TrainingScheduler:
+    """Loads a Wan base's scheduler as the FlowMatchEulerDiscreteScheduler the recipes train and draw with: the hub's
+    Wan bases ship UniPCMultistepScheduler in its flow-matching mode, whose shift is `flow_shift`
+    (common/diffusion.py's sampler_settings carries it over)."""
+
+    @staticmethod
+    def from_pretrained(path, subfolder=None, **kwargs):
+        from diffusers import FlowMatchEulerDiscreteScheduler
+
+        from ..diffusion import sampler_settings
+
+        config = FlowMatchEulerDiscreteScheduler.load_config(path, subfolder=subfolder, **kwargs)
+        return FlowMatchEulerDiscreteScheduler.from_config(config, **sampler_settings(FlowMatchEulerDiscreteScheduler,
+                                                                                      config))
+
+
+def text_length(components, requested=None, training=False):
+    """UMT5's prompt length: as requested, else 512 (the pipeline's), capped by the tokenizer's model_max_length."""
+    return t5_text_length(components.get("tokenizer"), requested, MAX_SEQUENCE_LENGTH)
+
+
+def native_resolution(configs):
+    """WanPipeline's default height (480; its width is 832)."""
+    return DEFAULT_SIZE[0]
+
+
+def patch_size(configs):
+    return tuple((configs.get("transformer") or {}).get("patch_size") or (1, 2, 2))
+
+
+def resolution_factor(configs):
+    return vae_factor(configs["vae"]) * patch_size(configs)[1]
+
+
+def size_factor(configs):
+    return resolution_factor(configs)
+
+
+def temporal_factor(vae_config):
+    """How many frames make one latent frame (4 for Wan 2.1's VAE): a clip takes 4k + 1 frames."""
+    return vae_config.get("scale_factor_temporal") or 2 ** sum(vae_config.get("temperal_downsample", ()))
+
+
+def check_frames(num_frames, vae_config, flag="--num_frames"):
+    """One line for a frame count the VAE's temporal compression cannot take."""
+    factor = temporal_factor(vae_config)
+    if (num_frames - 1) % factor:
+        lower = (num_frames - 1) // factor * factor + 1
+        raise UserError(f"{flag} {num_frames}: Wan's VAE takes {factor}k + 1 frames (its temporal compression "
+                        f"is {factor}); give {lower} or {lower + factor}")
+
+
+def check_base(path, revision=None, cache_dir=None):
+    """One line for a Wan 2.2 A14B base (two experts, `transformer_2` below the boundary timestep), which the recipes
+    do not train yet: a LoRA of its first expert alone, over every timestep, would be wrong for both."""
+    from . import read_model_index
+
+    index = read_model_index(path, "--pretrained_model_name_or_path", revision, cache_dir)
+    if (index.get("transformer_2") or [None])[0] is not None or index.get("boundary_ratio") is not None:
+        raise UserError(f"--pretrained_model_name_or_path '{path}' is Wan 2.2 A14B (two experts: transformer above "
+                        f"the boundary timestep, transformer_2 below it, boundary_ratio {index.get('boundary_ratio')}),"
+                        " whose experts are not trained here yet; give Wan 2.1 or Wan 2.2 TI2V-5B")
+
+
+def latent_frames(num_frames, vae_config):
+    """How many latent frames a clip of num_frames makes: the first frame alone, then one per `temporal_factor`."""
+    return (num_frames - 1) // temporal_factor(vae_config) + 1
+
+
+def packed_shape(shape):
+    """[B, C, f, h, w] latents as the transformer's patch embedding sees them: f x h/2 x w/2 patches of C x 2 x 2."""
+    b, c, f, h, w = shape
+    return [b, f * (h // 2) * (w // 2), c * 4]
+
+
+def fit_problems(denoiser_config, configs):
+    """A fresh transformer against the base's other parts: the VAE's channels in and out, UMT5's width."""
+    z_dim = configs["vae"].get("z_dim", 16)
+    checks = (("in_channels", z_dim, "the VAE's z_dim"), ("out_channels", z_dim, "the VAE's z_dim"),
+              ("text_dim", configs.get("text_encoder", {}).get("d_model"), "UMT5's d_model"))
+    return [(key, denoiser_config.get(key), want, what) for key, want, what in checks
+            if want is not None and denoiser_config.get(key) != want]
+
+
+def tokenize(parts, prompts, max_sequence_length=None):
+    """As WanPipeline._get_t5_prompt_embeds: each prompt cleaned (prompt_clean), padded (and cut) to
+    max_sequence_length: [token ids, attention mask]."""
+    from diffusers.pipelines.wan.pipeline_wan import prompt_clean
+
+    tokens = parts["tokenizer"]([prompt_clean(p) for p in prompts], padding="max_length",
+                                max_length=max_sequence_length, truncation=True, add_special_tokens=True,
+                                return_attention_mask=True, return_tensors="pt")
+    return [tokens.input_ids, tokens.attention_mask]
+
+
+def encode_prompts(parts, ids):
+    """UMT5's last hidden states, zeros after each prompt's end, as the pipeline computes them (one shape for every
+    prompt: the pipeline pads them so too)."""
+    input_ids, mask = ids
+    states = parts["text_encoder"](input_ids, mask).last_hidden_state
+    return {"prompt_embeds": states * mask[..., None].to(states.dtype)}
+
+
+empty_prompt_zeros = no_empty_prompt_zeros
+
+
+def denoise(transformer, noisy, timesteps, cond, guidance=None):
+    """The velocity noise - x0 for noisy latents [B, C, F, h, w] (an image's [B, C, h, w]: one frame), as the pipeline
+    calls the transformer: the timestep in the scheduler's units, the padded prompt embeddings."""
+    image = noisy.ndim == 4
+    out = transformer(hidden_states=noisy[:, :, None] if image else noisy, timestep=timesteps,
+                      encoder_hidden_states=cond["prompt_embeds"], return_dict=False)[0]
+    return out[:, :, 0] if image else out
+
+
+def guidance_kwargs(denoiser_config, scale, batch):
+    """WanPipeline's classifier-free guidance, on above 1. -> (the call's arguments, whether it needs the
+    unconditional embeddings)."""
+    return {"guidance_scale": scale}, scale > 1
+
+
+pipeline_prompt_kwargs = embedding_kwargs
+
+
+def sample_size(pipe):
+    """(height, width) WanPipeline draws by default."""
+    return DEFAULT_SIZE
+
+
+def unpack_latents(pipe, latents, height, width):
+    """The pipeline's output_type="latent" result [B, C, F, h, w] (normalised) -> the denoiser's latents: one frame
+    as [B, C, h, w]."""
+    return latents[:, :, 0] if latents.shape[2] == 1 else latents
+
+
+text_encoder_targets = every_target
+
+
+def base_metadata(denoiser_config, prediction_type):
+    """musubi-tuner's names for Wan's text-to-video models (TI2V-5B: its transformer takes the 48-channel latents of
+    Wan 2.2's VAE)."""
+    if denoiser_config.get("in_channels") == 48:
+        return {"ss_base_model_version": "wan2.2_ti2v", "modelspec.architecture": "wan2.2-ti2v-5b/lora"}
+    return {"ss_base_model_version": "wan2.1_t2v", "modelspec.architecture": "wan2.1-t2v/lora"}
+
+
+UI_IMPLEMENTATION = DIFFUSERS_IMPLEMENTATION
+
+
+def ui_name(module):
+    """A transformer module's name in ComfyUI's Wan model, under `diffusion_model.` (KeyError: it has none)."""
+    if module.startswith("blocks."):
+        number, _, rest = module.removeprefix("blocks.").partition(".")
+        return f"diffusion_model.blocks.{number}.{UI_NAMES[rest]}"
+    raise KeyError(module)
+
+
+def ui_lora(states, alpha, denoiser_config):
+    """The UI file under ComfyUI's native Wan names (`diffusion_model.blocks.N.self_attn.q`...: its LoRA map has no
+    branch for diffusers' Wan names), with alphas and DoRA magnitudes (common/ui_lora.py); diffusers' Wan loader reads
+    these names too."""
+    return named_lora(states["transformer"], alpha, ui_name, DIFFUSERS_SUFFIXES)
+
+
+def latent_config(vae):
+    """The VAE's per-channel latents_mean and latents_std; trained on the latent distribution's mode, as Wan's trainers
+    cache it (musubi-tuner, diffusion-pipe) and its image-to-video pipelines encode the first frame (argmax)."""
+    return {**vae_latents(vae), "latent_mode": True}
