@@ -13,6 +13,7 @@ import contextlib
 import io
 import json
 import logging
+import os
 import re
 import shlex
 import subprocess
@@ -181,8 +182,9 @@ def python_invocations(command, default_script):
         if tokens[0] == "make":
             assignments = [t.removesuffix("...") for t in tokens[1:] if "=" in t]  # (ARGS="...": none here)
             targets = [t for t in tokens[1:] if "=" not in t]
+            clean = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MAKELEVEL", "MFLAGS", "ARGS")}
             dry = subprocess.run(["make", "-n", "--no-print-directory", *targets, *assignments], cwd=ROOT,
-                                 capture_output=True, text=True)
+                                 capture_output=True, text=True, env=clean)  # (not `make test ARGS=...`'s ARGS)
             assert dry.returncode == 0, dry.stderr
             for line in joined_lines(dry.stdout):
                 runs += python_invocations(line, None) if "python" in line else []
