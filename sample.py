@@ -334,7 +334,9 @@ def sample_pipeline(args):
                     load_peft_adapters(pipe, path, name)
                     continue
                 folder, weight_name = (path, None) if not path.endswith(".safetensors") else os.path.split(path)
-                pipe.load_lora_weights(folder or ".", weight_name=weight_name, adapter_name=name)
+                low = path == args.model and info.get("wan_expert") == "low"  # Wan A14B's low-noise expert's LoRA
+                pipe.load_lora_weights(folder or ".", weight_name=weight_name, adapter_name=name,
+                                       **({"load_into_transformer_2": True} if low else {}))
     except (RuntimeError, ValueError, KeyError, OSError) as err:
         raise UserError(f"--lora '{path}' does not fit the base model '{base}' (a LoRA for another model?): "
                         f"{one_line(err)}") from None

@@ -97,7 +97,7 @@ def parse_args(argv=None):
     add_caption_args(g, caption_dropout_prob=0.0)
     add_latent_cache_args(g)
     add_bucket_args(g)
-    add_video_args(g)  # --num_frames, --frame_stride (video bases: common/video.py)
+    add_video_args(g, experts=True)  # --num_frames, --frame_stride, --wan_expert (video bases: common/video.py)
     add_mask_args(g)
     add_reference_args(parser)  # edit LoRAs: --control_data_dir (common/references.py)
     add_dreambooth_args(parser)
@@ -208,7 +208,7 @@ def main(args):
     from common.validation_loss import HeldOutLoss, load_with_validation
 
     path, flag = args.pretrained_model_name_or_path, "--pretrained_model_name_or_path"
-    family = load_family(path, flag, args.revision, args.cache_dir)  # which pipeline: its model_index.json
+    family = load_family(path, flag, args.revision, args.cache_dir, expert=args.wan_expert)  # model_index.json
     check_family_args(args, family)  # (a hub base's: now that its family is known)
     check_lora_args(args, family)
     check_block_swap(args, family, accelerator)  # (swap, fp8: not under DeepSpeed or FSDP; swap: at most the blocks)

@@ -56,6 +56,7 @@ def lora_info(args):
             "num_frames": (getattr(args, "clip_frames", None) or [None])[0],  # a video LoRA's: sample.py's default
             "ema_weights": args.use_ema,  # the weights in pytorch_lora_weights.safetensors are the EMA ones
             "references": len(args.control_data_dir or args.control_image_column),  # an edit LoRA's reference images
+            "wan_expert": getattr(args, "wan_expert", None),  # Wan 2.2 A14B: the expert the LoRA is of
             "trigger": args.instance_prompt or args.caption_prefix.strip(" ,") or None}  # what prompts need to show it
 
 
@@ -166,7 +167,7 @@ def save_lora_weights(folder, family, lora_models, info, metadata=None):
         # The denoiser's keys stay in peft's format (lora_A/lora_B): converted, a UNet's attention layers get
         # diffusers' old names (lora.down/lora.up) while convolutions keep peft's, and the loader then drops the
         # attention ones without an error (a LoRA on attention and convolutions would load half applied).
-        folder, weight_name=LORA_WEIGHTS, **{f"{family.DENOISER}_lora_layers": states[family.DENOISER]},
+        folder, weight_name=LORA_WEIGHTS, **{f"{getattr(family, 'LORA_FILE_DENOISER', family.DENOISER)}_lora_layers": states[family.DENOISER]},
         **text_layers, save_function=lambda weights, path: save_file(weights, path, metadata=header))
     ui_header = {"format": "pt", **(metadata or {})}  # (no adapter configs: diffusers refuses them beside alphas)
     if "modelspec.implementation" in ui_header:  # whose module names the file uses, as kohya's files say

@@ -90,9 +90,11 @@ def family_module(name):
             from None
 
 
-def load_family(path, flag, revision=None, cache_dir=None, uses="train_lora.py trains"):
-    """family_module(family_of(...)): the module of the base at `path`."""
-    return family_module(family_of(path, flag, revision, cache_dir, uses))
+def load_family(path, flag, revision=None, cache_dir=None, uses="train_lora.py trains", expert=None):
+    """family_module(family_of(...)): the module of the base at `path`; `expert` (Wan 2.2 A14B's --wan_expert): the
+    family as it trains that expert (its expert_family)."""
+    module = family_module(family_of(path, flag, revision, cache_dir, uses))
+    return module.expert_family(path, expert, revision, cache_dir) if expert else module
 
 
 def known_families():
