@@ -161,13 +161,16 @@ def save_lora_weights(folder, family, lora_models, info, metadata=None):
                    for name, state in states.items() if name != family.DENOISER}
     header = {"format": "pt", **(metadata or {})}
     # diffusers writes its adapter metadata only with its own save function: the same entry, written here beside ours
-    adapter_configs = {f"{name}.{key}": value for name, config in configs.items() for key, value in config.items()}
+    # (a Wan A14B expert's file names its denoiser `transformer`, whichever expert: LORA_FILE_DENOISER)
+    named = {family.DENOISER: getattr(family, "LORA_FILE_DENOISER", family.DENOISER)}
+    adapter_configs = {f"{named.get(name, name)}.{key}": value for name, config in configs.items()
+                       for key, value in config.items()}
     header[LORA_ADAPTER_METADATA_KEY] = json.dumps(adapter_configs, indent=2, sort_keys=True, default=sorted)
     getattr(diffusers, family.PIPELINE).save_lora_weights(
         # The denoiser's keys stay in peft's format (lora_A/lora_B): converted, a UNet's attention layers get
         # diffusers' old names (lora.down/lora.up) while convolutions keep peft's, and the loader then drops the
         # attention ones without an error (a LoRA on attention and convolutions would load half applied).
-        folder, weight_name=LORA_WEIGHTS, **{f"{getattr(family, 'LORA_FILE_DENOISER', family.DENOISER)}_lora_layers": states[family.DENOISER]},
+        folder, weight_name=LORA_WEIGHTS, **{f"{named[family.DENOISER]}_lora_layers": states[family.DENOISER]},
         **text_layers, save_function=lambda weights, path: save_file(weights, path, metadata=header))
     ui_header = {"format": "pt", **(metadata or {})}  # (no adapter configs: diffusers refuses them beside alphas)
     if "modelspec.implementation" in ui_header:  # whose module names the file uses, as kohya's files say
