@@ -10,7 +10,7 @@ import sys
 import numpy as np
 import pytest
 import torch
-from conftest import ROOT, assert_one_line_error, launch, read_results, run_script
+from conftest import ROOT, assert_one_line_error, launch, read_results, run_in_process, run_script
 from PIL import Image
 from safetensors.torch import load_file
 
@@ -44,13 +44,13 @@ def trained(tiny_wan, clips, tmp_path_factory):
     return tiny_wan, clips, out
 
 
-def transformer_output(pipe):
-    """The transformer's output on a fixed clip of latents [2, 16, 2, 4, 4] and prompt."""
+def transformer_output(pipe, name="transformer"):
+    """The transformer's (or expert `name`'s) output on a fixed clip of latents [2, 16, 2, 4, 4] and prompt."""
     family = family_module("wan")
     x = torch.randn(2, 16, 2, 4, 4, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         cond = family.encode_prompts(pipe.components, family.tokenize(pipe.components, [PROMPT] * 2, 40))
-        return family.denoise(pipe.transformer, x, torch.tensor([100.0, 700.0]), cond)
+        return family.denoise(getattr(pipe, name), x, torch.tensor([100.0, 900.0]), cond)
 
 
 def test_a_video_lora_loads_back_exactly_in_diffusers_and_under_comfyuis_names(trained):
@@ -188,6 +188,7 @@ def test_a_bad_clip_stops_train_lora_in_one_line_with_nothing_written(tiny_wan, 
     (["--num_frames", "5", "--resolution", "40"], ["--resolution 40", "16", "32 or 48"]),
     (["--train_text_encoder"], ["--train_text_encoder", "not offered"]),
     (["--guidance_scale", "3"], ["--guidance_scale", "means nothing for a Wan base"]),
+    (["--wan_expert", "low"], ["--wan_expert low", "has one transformer", "leave --wan_expert out"]),
 ])
 def test_flags_that_do_not_fit_a_video_base_are_one_line(tiny_wan, clips, flags, needles, tmp_path):
     proc = run_script("train_lora.py", "--train_data_dir", clips, "--pretrained_model_name_or_path", tiny_wan,
@@ -284,10 +285,10 @@ def test_a_datasets_video_column_trains_as_clips(clips):
     assert data[0]["pixel_values"].shape == (5, 3, 32, 32)
 
 
-@pytest.mark.parametrize("kind, needles", [
-    ("a14b", ["is Wan 2.2 A14B", "boundary_ratio 0.875", "not trained here yet"]),
-    ("i2v", ["names the pipeline class 'WanImageToVideoPipeline'", "WanPipeline"])])
-def test_wan_bases_not_trained_yet_are_one_line(tiny_wan, clips, kind, needles, tmp_path):
+@pytest.mark.parametrize("kind, script, needles", [
+    ("a14b", "train_text_to_image.py", ["is Wan 2.2 A14B", "boundary_ratio 0.875", "train_lora.py --wan_expert"]),
+    ("i2v", "train_lora.py", ["names the pipeline class 'WanImageToVideoPipeline'", "WanPipeline"])])
+def test_wan_bases_not_trained_yet_are_one_line(tiny_wan, clips, kind, script, needles, tmp_path):
     base = tmp_path / kind
     shutil.copytree(tiny_wan, base)
     index = json.loads((base / "model_index.json").read_text())
@@ -297,7 +298,7 @@ def test_wan_bases_not_trained_yet_are_one_line(tiny_wan, clips, kind, needles, 
     else:
         index["_class_name"] = "WanImageToVideoPipeline"
     (base / "model_index.json").write_text(json.dumps(index))
-    proc = run_script("train_lora.py", "--train_data_dir", clips, "--pretrained_model_name_or_path", base,
+    proc = run_script(script, "--train_data_dir", clips, "--pretrained_model_name_or_path", base,
                       "--output_dir", tmp_path / "out")
     assert_one_line_error(proc, *needles)
 
@@ -312,3 +313,84 @@ def test_the_video_loras_card_draws_its_clip(trained, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     exec(compile(code.replace("num_inference_steps=50", "num_inference_steps=2"), "card", "exec"), {})
     assert Image.open(tmp_path / "sample.gif").n_frames == 5
+
+
+# Wan 2.2 A14B: a LoRA of one expert (transformer: t >= 875, transformer_2: below), on the tiny two-expert build
+EXPERTS = {"high": "transformer", "low": "transformer_2"}
+EXPERT_STEPS = [*STEPS[:3], "2", *STEPS[4:], "--validation_prompt", PROMPT,
+                "--validation_steps", "2", "--num_validation_images", "1", "--validation_inference_steps", "2"]
+
+
+@pytest.fixture(scope="module", params=["high", "low"])
+def expert_run(request, tiny_wan_a14b, clips, tmp_path_factory):
+    out = tmp_path_factory.mktemp(f"lora-wan-{request.param}") / "run"
+    launch("train_lora.py", "--train_data_dir", clips, "--pretrained_model_name_or_path", tiny_wan_a14b,
+           "--output_dir", out, "--wan_expert", request.param, *EXPERT_STEPS)
+    return request.param, tiny_wan_a14b, out
+
+
+def test_an_a14b_experts_lora_loads_into_that_expert_with_wanpipelines_loader_and_samples_there(expert_run, tmp_path):
+    """The expert's LoRA, read back as diffusers documents it (high: load_lora_weights, low: with
+    load_into_transformer_2=True), and its UI file, give the trained expert within 1e-5 and leave the other expert
+    alone; the validation clip and sample.py draw WanPipeline's frames with it (within 1 level)."""
+    from diffusers import WanPipeline
+    from peft import LoraConfig
+    from peft.utils import set_peft_model_state_dict
+
+    from common.lora_adapters import expand_targets
+
+    expert, base, out = expert_run
+    name, other = EXPERTS[expert], EXPERTS["low" if expert == "high" else "high"]
+    assert json.loads((out / "lora_info.json").read_text())["wan_expert"] == expert
+    assert not (out / "checkpoint-2" / other).exists()  # only the chosen expert trains
+    reference = WanPipeline.from_pretrained(base)
+    model = getattr(reference, name)
+    model.add_adapter(LoraConfig(r=4, lora_alpha=8, init_lora_weights="gaussian", target_modules=expand_targets(
+        model, family_module("wan").LORA_TARGETS.split(","))))
+    set_peft_model_state_dict(model, load_file(out / "checkpoint-2" / name / "adapter_model.safetensors"))
+    expected, untouched = transformer_output(reference, name), transformer_output(WanPipeline.from_pretrained(base),
+                                                                                  other)
+    assert (transformer_output(WanPipeline.from_pretrained(base), name) - expected).abs().max() > 1e-4  # it learned
+    loading = {"load_into_transformer_2": True} if expert == "low" else {}
+    for weights in ("pytorch_lora_weights.safetensors", "pytorch_lora_weights_ui.safetensors"):
+        pipe = WanPipeline.from_pretrained(base)
+        pipe.load_lora_weights(out, weight_name=weights, **loading)
+        assert (transformer_output(pipe, name) - expected).abs().max() < 1e-5, weights
+        assert torch.equal(transformer_output(pipe, other), untouched), weights
+    call = dict(prompt=PROMPT, num_frames=5, height=32, width=32, num_inference_steps=2, guidance_scale=5.0,
+                max_sequence_length=40, output_type="np")
+    pipe = WanPipeline.from_pretrained(base)
+    pipe.load_lora_weights(out, **loading)
+    # the validation clip: seed 0, the validation scheduler (Euler, shift 3); two steps: t = 1000 (high), 500 (low)
+    frames = pipe(**call, generator=torch.Generator().manual_seed(0)).frames[0]
+    theirs = (frames * 255).round().astype(int)
+    validation = Image.open(out / "samples" / "step-2" / "0-0.gif")
+    assert validation.n_frames == 5
+    run_in_process("sample.py", "--model", out, "--prompt", PROMPT, "--num_images", "1", "--num_inference_steps", "2",
+                   "--output_dir", tmp_path / "samples")
+    grid = np.asarray(Image.open(tmp_path / "samples" / "grid.png").convert("RGB")).astype(int)
+    assert np.abs(grid - np.concatenate(list(theirs), axis=1)).max() <= 1
+    assert "load_into_transformer_2=True" in (out / "README.md").read_text() or expert == "high"
+
+
+def test_an_a14b_expert_trains_on_its_side_of_the_boundary_only(tiny_wan_a14b):
+    """Training timesteps: t >= 875 (boundary_ratio 0.875 x 1000) for the high expert, below for the low one; the
+    held-out loss's fixed points too; the two sides cover the schedule."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    from common.families import load_family
+    from common.objectives import FlowMatching
+
+    scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(tiny_wan_a14b, subfolder="scheduler")
+    sides = {}
+    for expert in ("high", "low"):
+        family = load_family(str(tiny_wan_a14b), "--pretrained_model_name_or_path", expert=expert)
+        assert family.DENOISER == EXPERTS[expert] and family.PIPELINE_EXTRAS == {"boundary_ratio": 0.875}
+        objective = FlowMatching(scheduler, "logit_normal", timestep_range=family.TIMESTEP_RANGE)
+        torch.manual_seed(0)
+        drawn = torch.cat([objective(torch.zeros(64, 16, 2, 4, 4)).timesteps for _ in range(4)])
+        fixed = objective.timesteps[objective.fixed_timesteps([0.0, 0.5, 0.999])]
+        sides[expert] = objective.count
+        for t in (drawn, fixed):
+            assert bool((t >= 875).all()) if expert == "high" else bool((t < 875).all())
+    assert sides["high"] + sides["low"] == 1000 and 0 < sides["high"] < 1000
