@@ -334,9 +334,12 @@ def sample_pipeline(args):
                     load_peft_adapters(pipe, path, name)
                     continue
                 folder, weight_name = (path, None) if not path.endswith(".safetensors") else os.path.split(path)
-                low = path == args.model and info.get("wan_expert") == "low"  # Wan A14B's low-noise expert's LoRA
+                expert = info.get("wan_expert") if path == args.model else None  # Wan 2.2 A14B's LoRAs: by expert
                 pipe.load_lora_weights(folder or ".", weight_name=weight_name, adapter_name=name,
-                                       **({"load_into_transformer_2": True} if low else {}))
+                                       **({"load_into_transformer_2": True} if expert == "low" else {}))
+                if expert == "both":  # the low expert's, under the same adapter name (one scale for both)
+                    pipe.load_lora_weights(os.path.join(folder, "low"), adapter_name=name,
+                                           load_into_transformer_2=True)
     except (RuntimeError, ValueError, KeyError, OSError) as err:
         raise UserError(f"--lora '{path}' does not fit the base model '{base}' (a LoRA for another model?): "
                         f"{one_line(err)}") from None

@@ -178,7 +178,8 @@ def load_parts(family, path, flag="--pretrained_model_name_or_path", *, dtype, d
                 parts[name] = cls.from_pretrained(path, **kwargs)
     except (OSError, ValueError) as err:
         raise load_error(flag, path, err) from None
-    return parts
+    combine = getattr(family, "combine_experts", None)  # (Wan 2.2 A14B, both experts training: one denoiser)
+    return combine(parts) if combine else parts
 
 
 def lora_dtypes(mixed_precision):

@@ -150,6 +150,11 @@ def save_lora_weights(folder, family, lora_models, info, metadata=None):
     from peft.utils import get_peft_model_state_dict
     from safetensors.torch import save_file
 
+    if getattr(family, "split_experts", None):  # Wan 2.2 A14B, both experts: the high one's here, the low one's below
+        for subfolder, expert_family, models in family.split_experts(lora_models):
+            expert_info = {**info, "wan_expert": expert_family.EXPERT} if subfolder else info
+            save_lora_weights(os.path.join(folder, subfolder), expert_family, models, expert_info, metadata)
+        return write_lora_info(folder, info)
     states = {name: get_peft_model_state_dict(model) for name, model in lora_models.items()}
     configs = {name: model.peft_config["default"].to_dict() for name, model in lora_models.items()}
     if info.get("adapter", "lora") != "lora":

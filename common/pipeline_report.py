@@ -179,6 +179,8 @@ def load_lora(pipe, args):
     low = {"load_into_transformer_2": True} if info.get("wan_expert") == "low" else {}  # (Wan A14B's low expert)
     try:
         pipe.load_lora_weights(folder, weight_name=weight_name, adapter_name="inspected", **low)
+        if info.get("wan_expert") == "both":  # and the low expert's, from low/
+            pipe.load_lora_weights(os.path.join(folder, "low"), adapter_name="inspected", load_into_transformer_2=True)
     except (RuntimeError, ValueError, KeyError, OSError) as err:
         mismatch = re.search(r"size mismatch for (\S+): copying a param with shape torch.Size\((\[[^]]*\])\) from "
                              r"checkpoint, the shape in current model is torch.Size\((\[[^]]*\])\)", str(err))

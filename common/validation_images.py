@@ -29,6 +29,7 @@ def validation_images(args, accelerator, family, parts, scheduler, step, sizes=N
     if accelerator.is_main_process:
         sampler = sampling_scheduler(args.validation_scheduler or family.SAMPLER, scheduler.config, family.SAMPLERS)
         pipeline = family.EDIT_PIPELINE if references else family.PIPELINE
+        parts = {**parts, **getattr(family, "expert_parts", dict)(parts)}  # (Wan A14B, both experts: each its own)
         pipe = getattr(diffusers, pipeline)(**parts, scheduler=sampler, **family.PIPELINE_EXTRAS)
         frozen = [parts[name] for name in getattr(family, "FROZEN_EXPERTS", ())]  # (Wan A14B: the other expert)
         for model in frozen:  # on the device while it draws only

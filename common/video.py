@@ -30,12 +30,14 @@ def add_video_args(group, experts=False):
     group.add_argument("--frame_stride", type=positive_int, default=1,
                        help="With --num_frames: take every S-th frame of each video (2 halves its frame rate).")
     if experts:
-        group.add_argument("--wan_expert", choices=["high", "low"], default=None,
+        group.add_argument("--wan_expert", choices=["high", "low", "both"], default=None,
                            help="Wan 2.2 A14B only (two experts): the LoRA of `high`, the `transformer` WanPipeline "
                                 "samples timesteps >= boundary_ratio x 1000 with, or of `low`, its `transformer_2` "
-                                "(below the boundary), trained on that expert's side of the boundary only. Default: "
-                                "high, the expert diffusers' load_lora_weights loads a LoRA into (`low` loads with "
-                                "load_into_transformer_2=True), which lays out the clip's composition and motion.")
+                                "(below the boundary), trained on that expert's side of the boundary only; `both`: a "
+                                "LoRA on each, every sample through the expert of its timestep (the low one's saved "
+                                "in <output_dir>/low). Default: high, the expert diffusers' load_lora_weights loads a "
+                                "LoRA into (`low` loads with load_into_transformer_2=True), which lays out the clip's "
+                                "composition and motion.")
 
 
 def check_video_args(args, family, vae_config):
@@ -48,6 +50,12 @@ def check_video_args(args, family, vae_config):
                                    getattr(args, "cache_dir", None), getattr(args, "wan_expert", False))
         if hasattr(args, "wan_expert"):
             args.wan_expert = expert
+        if expert == "both":  # a step whose samples all fall on one side leaves the other expert's LoRA unused
+            args.find_unused_parameters = True
+            for flag in ("blocks_to_swap", "quantize_base"):
+                if getattr(args, flag, None):
+                    raise UserError(f"--{flag} runs on one transformer: with --wan_expert both, train each expert "
+                                    "alone (--wan_expert high, then low)")
     elif getattr(args, "wan_expert", None):
         raise UserError(f"--wan_expert {args.wan_expert}: a {family.NAME} base has no experts (Wan 2.2 A14B has "
                         "two); leave --wan_expert out")

@@ -315,24 +315,34 @@ def test_the_video_loras_card_draws_its_clip(trained, tmp_path, monkeypatch):
     assert Image.open(tmp_path / "sample.gif").n_frames == 5
 
 
-# Wan 2.2 A14B: a LoRA of one expert (transformer: t >= 875, transformer_2: below), on the tiny two-expert build
+# Wan 2.2 A14B: a LoRA of one expert (transformer: t >= 875, transformer_2: below) or of both, on the tiny A14B build
 EXPERTS = {"high": "transformer", "low": "transformer_2"}
-EXPERT_STEPS = [*STEPS[:3], "2", *STEPS[4:], "--validation_prompt", PROMPT,
-                "--validation_steps", "2", "--num_validation_images", "1", "--validation_inference_steps", "2"]
+EXPERT_STEPS = [*STEPS[:3], "2", *STEPS[4:], "--validation_prompt", PROMPT, "--validation_steps", "2",
+                "--num_validation_images", "1", "--validation_inference_steps", "2"]
 
 
-@pytest.fixture(scope="module", params=["high", "low"])
+@pytest.fixture(scope="module", params=["high", "low", "both"])
 def expert_run(request, tiny_wan_a14b, clips, tmp_path_factory):
     out = tmp_path_factory.mktemp(f"lora-wan-{request.param}") / "run"
+    steps = ["--max_train_steps", "4", "--checkpointing_steps", "4"] * (request.param == "both")  # (samples of each)
     launch("train_lora.py", "--train_data_dir", clips, "--pretrained_model_name_or_path", tiny_wan_a14b,
-           "--output_dir", out, "--wan_expert", request.param, *EXPERT_STEPS)
+           "--output_dir", out, "--wan_expert", request.param, *EXPERT_STEPS, *steps)
     return request.param, tiny_wan_a14b, out
 
 
+def load_expert_loras(pipe, out, expert, weights="pytorch_lora_weights.safetensors"):
+    """As diffusers documents Wan 2.2's LoRAs: the high expert's by default, the low one's load_into_transformer_2."""
+    if expert in ("high", "both"):
+        pipe.load_lora_weights(out, weight_name=weights)
+    if expert in ("low", "both"):
+        pipe.load_lora_weights(out / "low" if expert == "both" else out, weight_name=weights,
+                               load_into_transformer_2=True)
+
+
 def test_an_a14b_experts_lora_loads_into_that_expert_with_wanpipelines_loader_and_samples_there(expert_run, tmp_path):
-    """The expert's LoRA, read back as diffusers documents it (high: load_lora_weights, low: with
-    load_into_transformer_2=True), and its UI file, give the trained expert within 1e-5 and leave the other expert
-    alone; the validation clip and sample.py draw WanPipeline's frames with it (within 1 level)."""
+    """Each expert's LoRA, read back as diffusers documents it (high: load_lora_weights, low: with
+    load_into_transformer_2=True; both: the two, the low one's from low/), and the UI files, give the trained experts
+    within 1e-5 and leave an untrained expert alone; sample.py draws WanPipeline's frames with them (within 1 level)."""
     from diffusers import WanPipeline
     from peft import LoraConfig
     from peft.utils import set_peft_model_state_dict
@@ -340,37 +350,41 @@ def test_an_a14b_experts_lora_loads_into_that_expert_with_wanpipelines_loader_an
     from common.lora_adapters import expand_targets
 
     expert, base, out = expert_run
-    name, other = EXPERTS[expert], EXPERTS["low" if expert == "high" else "high"]
+    names = list(EXPERTS.values()) if expert == "both" else [EXPERTS[expert]]
     assert json.loads((out / "lora_info.json").read_text())["wan_expert"] == expert
-    assert not (out / "checkpoint-2" / other).exists()  # only the chosen expert trains
-    reference = WanPipeline.from_pretrained(base)
-    model = getattr(reference, name)
-    model.add_adapter(LoraConfig(r=4, lora_alpha=8, init_lora_weights="gaussian", target_modules=expand_targets(
-        model, family_module("wan").LORA_TARGETS.split(","))))
-    set_peft_model_state_dict(model, load_file(out / "checkpoint-2" / name / "adapter_model.safetensors"))
-    expected, untouched = transformer_output(reference, name), transformer_output(WanPipeline.from_pretrained(base),
-                                                                                  other)
-    assert (transformer_output(WanPipeline.from_pretrained(base), name) - expected).abs().max() > 1e-4  # it learned
-    loading = {"load_into_transformer_2": True} if expert == "low" else {}
+    step = read_results(out)["global_step"]
+    checkpoint = out / f"checkpoint-{step}" / ("transformer" if expert == "both" else names[0])
+    assert [p.name for p in checkpoint.parent.iterdir() if p.name.startswith("transformer")] == [checkpoint.name]
+    adapter = load_file(checkpoint / "adapter_model.safetensors")  # (both: one denoiser, its experts' prefixes)
+    reference, base_pipe = WanPipeline.from_pretrained(base), WanPipeline.from_pretrained(base)
+    expected = {}
+    for name in EXPERTS.values():
+        model = getattr(reference, name)
+        if name in names:
+            model.add_adapter(LoraConfig(r=4, lora_alpha=8, init_lora_weights="gaussian", target_modules=expand_targets(
+                model, family_module("wan").LORA_TARGETS.split(","))))
+            state = {k.removeprefix(name + "."): v for k, v in adapter.items() if k.startswith(name + ".")}
+            set_peft_model_state_dict(model, state if expert == "both" else adapter)
+        expected[name] = transformer_output(reference, name)
+        if name in names:  # it learned
+            assert (transformer_output(base_pipe, name) - expected[name]).abs().max() > 1e-4, name
     for weights in ("pytorch_lora_weights.safetensors", "pytorch_lora_weights_ui.safetensors"):
         pipe = WanPipeline.from_pretrained(base)
-        pipe.load_lora_weights(out, weight_name=weights, **loading)
-        assert (transformer_output(pipe, name) - expected).abs().max() < 1e-5, weights
-        assert torch.equal(transformer_output(pipe, other), untouched), weights
-    call = dict(prompt=PROMPT, num_frames=5, height=32, width=32, num_inference_steps=2, guidance_scale=5.0,
-                max_sequence_length=40, output_type="np")
+        load_expert_loras(pipe, out, expert, weights)
+        for name in EXPERTS.values():
+            assert (transformer_output(pipe, name) - expected[name]).abs().max() < 1e-5, (weights, name)
     pipe = WanPipeline.from_pretrained(base)
-    pipe.load_lora_weights(out, **loading)
-    # the validation clip: seed 0, the validation scheduler (Euler, shift 3); two steps: t = 1000 (high), 500 (low)
-    frames = pipe(**call, generator=torch.Generator().manual_seed(0)).frames[0]
-    theirs = (frames * 255).round().astype(int)
-    validation = Image.open(out / "samples" / "step-2" / "0-0.gif")
-    assert validation.n_frames == 5
+    load_expert_loras(pipe, out, expert)
+    # seed 0, Euler at shift 3, two steps: t = 1000 (the high expert), 750 (the low one)
+    frames = pipe(prompt=PROMPT, num_frames=5, height=32, width=32, num_inference_steps=2, guidance_scale=5.0,
+                  max_sequence_length=40, output_type="np", generator=torch.Generator().manual_seed(0)).frames[0]
+    assert Image.open(out / "samples" / f"step-{step}" / "0-0.gif").n_frames == 5  # the validation clip
     run_in_process("sample.py", "--model", out, "--prompt", PROMPT, "--num_images", "1", "--num_inference_steps", "2",
                    "--output_dir", tmp_path / "samples")
     grid = np.asarray(Image.open(tmp_path / "samples" / "grid.png").convert("RGB")).astype(int)
-    assert np.abs(grid - np.concatenate(list(theirs), axis=1)).max() <= 1
-    assert "load_into_transformer_2=True" in (out / "README.md").read_text() or expert == "high"
+    assert np.abs(grid - np.concatenate(list((frames * 255).round().astype(int)), axis=1)).max() <= 1
+    card = (out / "README.md").read_text()
+    assert ("load_into_transformer_2=True" in card) == (expert != "high")
 
 
 def test_an_a14b_expert_trains_on_its_side_of_the_boundary_only(tiny_wan_a14b):

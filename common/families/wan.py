@@ -116,6 +116,7 @@ def check_frames(num_frames, vae_config, flag="--num_frames"):
 
 
 EXPERTS = {"high": "transformer", "low": "transformer_2"}  # --wan_expert -> the A14B expert it trains
+LOW_FOLDER = "low"  # --wan_expert both: the low expert's LoRA folder inside the output folder
 DEFAULT_EXPERT = "high"  # the expert diffusers' load_lora_weights loads into without load_into_transformer_2
 
 
@@ -160,17 +161,65 @@ def expert_family(path, expert, revision=None, cache_dir=None):
     ratio = boundary_ratio(path, revision, cache_dir)
     view = types.SimpleNamespace(**{k: v for k, v in vars(module).items() if not k.startswith("__")})
     view.COMPONENTS = {**COMPONENTS, "transformer_2": COMPONENTS["transformer"]}
+    view.EXPERT = expert
+    view.PIPELINE_EXTRAS = {"boundary_ratio": ratio}
+    view.base_metadata = lambda config, prediction_type: {  # musubi-tuner's name for A14B, the expert in ModelSpec's
+        "ss_base_model_version": "wan2.2_t2v_a14b", "modelspec.architecture": f"wan2.2-t2v-a14b/lora-{expert}"}
+    if expert == "both":  # one denoiser of both experts (Experts), each with its LoRA, saved as two LoRA folders
+        view.combine_experts = lambda parts: {**parts, "transformer": experts_model(
+            parts["transformer"], parts.pop("transformer_2"), ratio * parts["scheduler"].config.num_train_timesteps)}
+        view.expert_parts = lambda parts: {"transformer": parts["transformer"].transformer,
+                                           "transformer_2": parts["transformer"].transformer_2}
+        view.split_experts = lambda models: [
+            ("", expert_family(path, "high", revision, cache_dir), {"transformer": models["transformer"].transformer}),
+            (LOW_FOLDER, expert_family(path, "low", revision, cache_dir),
+             {"transformer_2": models["transformer"].transformer_2})]
+        return view
     view.DENOISER = EXPERTS[expert]
     view.FROZEN_EXPERTS = tuple(name for name in EXPERTS.values() if name != view.DENOISER)
-    view.PIPELINE_EXTRAS = {"boundary_ratio": ratio}
-    view.EXPERT = expert
     # the training timesteps, in units of num_train_timesteps: [low, high)
     view.TIMESTEP_RANGE = (ratio, float("inf")) if expert == "high" else (float("-inf"), ratio)
     view.LORA_FILE_DENOISER = "transformer"  # WanPipeline.save_lora_weights' only name; the loader picks the expert
-    view.base_metadata = lambda config, prediction_type: {  # musubi-tuner's name for A14B, the expert in ModelSpec's
-        "ss_base_model_version": "wan2.2_t2v_a14b", "modelspec.architecture": f"wan2.2-t2v-a14b/lora-{expert}"}
     view.ui_lora = lambda states, alpha, config: named_lora(states[view.DENOISER], alpha, ui_name, DIFFUSERS_SUFFIXES)
     return view
+
+
+def experts_model(transformer, transformer_2, boundary):
+    """Wan 2.2 A14B's two experts as one denoiser (--wan_expert both): each sample of a batch goes to the expert
+    WanPipeline would use at its timestep (`transformer` at t >= boundary, `transformer_2` below); a LoRA on each
+    (add_adapter: the same config on both), the pair's adapters in one checkpoint (peft_config: the first's)."""
+    import torch
+
+    class Experts(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.transformer, self.transformer_2, self.boundary = transformer, transformer_2, boundary
+
+        config = property(lambda self: self.transformer.config)
+        peft_config = property(lambda self: self.transformer.peft_config)
+        dtype = property(lambda self: self.transformer.dtype)
+
+        def add_adapter(self, config):
+            import copy
+
+            self.transformer.add_adapter(config)
+            self.transformer_2.add_adapter(copy.deepcopy(config))
+
+        def enable_gradient_checkpointing(self):
+            self.transformer.enable_gradient_checkpointing()
+            self.transformer_2.enable_gradient_checkpointing()
+
+        def forward(self, hidden_states, timestep, encoder_hidden_states, return_dict=False, **kwargs):
+            high = timestep >= self.boundary
+            out = torch.empty_like(hidden_states)
+            for expert, rows in ((self.transformer, high), (self.transformer_2, ~high)):
+                if rows.any():  # (the other expert's LoRA gets no gradient this step: DDP finds it unused)
+                    out[rows] = expert(hidden_states=hidden_states[rows], timestep=timestep[rows],
+                                       encoder_hidden_states=encoder_hidden_states[rows], return_dict=False,
+                                       **kwargs)[0].to(out.dtype)
+            return (out,)
+
+    return Experts()
 
 
 def latent_frames(num_frames, vae_config):
