@@ -13,7 +13,7 @@ def comma_list(text):
 
 
 SAME_LORA = ("adapter", "rank", "lora_alpha", "lokr_factor", "target_modules", "use_dora",
-             "train_text_encoder")  # needed to resume
+             "train_text_encoder", "wan_expert")  # needed to resume (wan_expert: Wan 2.2 A14B's)
 # Each adapter's weight names in peft (its layer's adapter_layer_names): what trains, what a checkpoint must set.
 ADAPTER_WEIGHTS = {"lora": ("lora_",), "loha": ("hada_",), "lokr": ("lokr_",)}
 

@@ -410,3 +410,23 @@ def test_an_a14b_expert_trains_on_its_side_of_the_boundary_only(tiny_wan_a14b):
         for t in (drawn, fixed):
             assert bool((t >= 875).all()) if expert == "high" else bool((t < 875).all())
     assert sides["high"] + sides["low"] == 1000 and 0 < sides["high"] < 1000
+
+
+@pytest.mark.parametrize("family, flags, message", [
+    ("wan", {}, None),  # no --wan_expert on A14B: high
+    ("wan", {"wan_expert": "both", "blocks_to_swap": 1}, "--blocks_to_swap runs on one transformer"),
+    ("wan", {"wan_expert": "both", "quantize_base": "fp8"}, "--quantize_base runs on one transformer"),
+    ("sd", {"wan_expert": "low"}, "--wan_expert low: a Stable Diffusion .* base has no experts")])
+def test_wan_expert_defaults_to_high_and_what_it_cannot_take_is_one_line(tiny_wan_a14b, family, flags, message):
+    import argparse
+
+    from common.video import check_video_args
+
+    args = argparse.Namespace(pretrained_model_name_or_path=str(tiny_wan_a14b), num_frames=None, frame_stride=1,
+                              **{"wan_expert": None, "blocks_to_swap": None, "quantize_base": None, **flags})
+    if message:
+        with pytest.raises(UserError, match=message):
+            check_video_args(args, family_module(family), None)
+    else:
+        check_video_args(args, family_module(family), None)
+        assert args.wan_expert == "high"
