@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Fine-tune a text-to-image diffusion model with LoRA (peft) on captioned images, the accelerate way.
 
-SD 1.x/2.x and XL (a UNet on DDPM noise), SD 3, Flux.1, FLUX.2, Qwen-Image, Z-Image, Wan (video clips: --num_frames)
+SD 1.x/2.x and XL (a UNet on DDPM noise), SD 3, Flux.1, FLUX.2, Qwen-Image, Z-Image, Wan (clips: --num_frames; A14B: --wan_expert)
 (transformers trained by flow matching): the base's model_index.json names its family, whose module (common/families/)
 loads it, embeds prompts (SDXL: two CLIPs, pooled embedding, each image's size "time ids"; SD3: two CLIPs and T5;
 Flux.1: CLIP pooled, T5, packed latents, guidance input; the newer bases: an LLM's hidden states) and calls its

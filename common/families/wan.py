@@ -12,7 +12,8 @@ drops that frame axis, common/vae.py; `denoise` here does the same for the trans
 TI2V-5B's VAE cuts 2 x 2 patches first (48 channels, scale_factor_spatial 16) and its pipeline gives the transformer
 one timestep per token (expand_timesteps), all equal without a first frame: the same as one per clip. Wan 2.2 A14B
 has two experts switched at a boundary timestep (`transformer` at t >= boundary_ratio x 1000, `transformer_2` below):
-train_lora.py --wan_expert trains a LoRA of one of them on its side of the boundary (expert_family).
+train_lora.py --wan_expert trains a LoRA of one of them on its side of the boundary, or of both, each sample through
+its timestep's expert (expert_family, experts_model).
 """
 from ..cli import UserError
 from ..diffusion import FLOW_SCHEDULER_CLASSES
