@@ -1,21 +1,21 @@
 #!/usr/bin/env python
 """Fine-tune a text-to-image diffusion model with LoRA (peft) on captioned images, the accelerate way.
 
-SD 1.x/2.x and XL (a UNet on DDPM noise), SD 3, Flux.1, FLUX.2, Qwen-Image, Z-Image, Wan (clips: --num_frames; A14B: --wan_expert)
-(transformers trained by flow matching): the base's model_index.json names its family, whose module (common/families/)
-loads it, embeds prompts (SDXL: two CLIPs, pooled embedding, each image's size "time ids"; SD3: two CLIPs and T5;
-Flux.1: CLIP pooled, T5, packed latents, guidance input; the newer bases: an LLM's hidden states) and calls its
-denoiser. The denoiser frozen, LoRA (init_lora_weights="gaussian") on its attention projections (optionally on the CLIP
-text encoders too), trained on the family's objective (common/objectives.py; the other objective's flags are refused);
-frozen weights in fp16/bf16, LoRA in fp32; latents (--cache_latents) and prompt embeddings computed once, then the text
-encoders leave the accelerator; caption dropout, an EMA of the LoRA weights (--use_ema: what gets exported), validation
-images, a held-out loss, resumable checkpoints. Also DreamBooth with prior preservation (common/dreambooth.py: class
-images the base draws once), a loss mask per image (--masked_loss, common/loss_masks.py), edit LoRAs from reference
-images paired by name (--control_data_dir: FLUX.1 Kontext, FLUX.2; common/references.py, `make train-edit-lora`), and
-LyCORIS's LoHa and LoKr instead of LoRA (--adapter, peft). Writes pytorch_lora_weights.safetensors
-(`pipe.load_lora_weights(output_dir)`; LoHa/LoKr: peft_adapter_weights.safetensors, which sample.py loads through peft),
-beside it pytorch_lora_weights_ui.safetensors for ComfyUI, Forge and A1111, a model card, and lora_info.json, from which
-sample.py finds the base model.
+SD 1.x/2.x and XL (a UNet on DDPM noise), SD 3, Flux.1, FLUX.2, Qwen-Image, Z-Image, Wan (video clips: --num_frames;
+A14B's experts: --wan_expert) (transformers trained by flow matching): the base's model_index.json names its family,
+whose module (common/families/) loads it, embeds prompts (SDXL: two CLIPs, pooled embedding, each image's size "time
+ids"; SD3: two CLIPs and T5; Flux.1: CLIP pooled, T5, packed latents, guidance input; the newer bases: an LLM's hidden
+states) and calls its denoiser. The denoiser frozen, LoRA (init_lora_weights="gaussian") on its attention projections
+(optionally on the CLIP text encoders too), trained on the family's objective (common/objectives.py; the other
+objective's flags are refused); frozen weights in fp16/bf16, LoRA in fp32; latents (--cache_latents) and prompt
+embeddings computed once, then the text encoders leave the accelerator; caption dropout, an EMA of the LoRA weights
+(--use_ema: what gets exported), validation images, a held-out loss, resumable checkpoints. Also DreamBooth with prior
+preservation (common/dreambooth.py: class images the base draws once), a loss mask per image (--masked_loss,
+common/loss_masks.py), edit LoRAs from reference images paired by name (--control_data_dir: FLUX.1 Kontext, FLUX.2;
+common/references.py, `make train-edit-lora`), and LyCORIS's LoHa and LoKr instead of LoRA (--adapter, peft). Writes
+pytorch_lora_weights.safetensors (`pipe.load_lora_weights(output_dir)`; LoHa/LoKr: peft_adapter_weights.safetensors,
+which sample.py loads through peft), beside it pytorch_lora_weights_ui.safetensors for ComfyUI, Forge and A1111, a model
+card, and lora_info.json, from which sample.py finds the base model.
 
 Defaults suit a real base: --resolution is the base's native size (its VAE's sample_size, 512 for SD 1.5),
 --learning_rate 1e-4, --train_batch_size 16, as in diffusers' LoRA example.
