@@ -28,7 +28,7 @@ LAUNCH := $(LAUNCH_ENV) $(PY) -m common.launch --config_file $(CONFIG) \
 ARGS ?=
 DIGITS := data/digits/train/metadata.jsonl
 
-.PHONY: install install-extras install-deepspeed lint data env tiny-sd-base tiny-flux-base tiny-sdxl tiny-sd3 tiny-flux tiny-qwen-image train-text-to-image train-classifier train-ddpm sample-ddpm tiny-sd train-lora train-dreambooth sample-lora inspect test clean tiny-z-image tiny-flux2-klein tiny-flux2 tiny-wan
+.PHONY: install install-extras install-deepspeed lint data env tiny-sd-base tiny-flux-base tiny-sdxl tiny-sd3 tiny-flux tiny-qwen-image train-text-to-image train-classifier train-ddpm sample-ddpm tiny-sd train-lora train-dreambooth sample-lora inspect test clean tiny-z-image tiny-flux2-klein tiny-flux2 tiny-wan tiny-wan-a14b
 
 install: $(VENV)/.installed
 $(VENV)/.installed: requirements.txt
@@ -126,6 +126,11 @@ TINY_WAN := models/tiny-wan/model_index.json
 tiny-wan: $(TINY_WAN)
 $(TINY_WAN): | install
 	$(PY) -m demo.tiny_wan --output_dir models/tiny-wan
+# Wan 2.2 A14B's layout: two experts (transformer, transformer_2) switched at boundary_ratio 0.875 (--wan_expert).
+TINY_WAN_A14B := models/tiny-wan-a14b/model_index.json
+tiny-wan-a14b: $(TINY_WAN_A14B)
+$(TINY_WAN_A14B): | install
+	$(PY) -m demo.tiny_wan --variant a14b --output_dir models/tiny-wan-a14b
 
 # FLUX.2 (demo/tiny_flux2.py): klein (Flux2KleinPipeline: a Qwen3 text encoder) and dev (Flux2Pipeline: Mistral3,
 # a guidance embedding), each with FLUX.2's transformer, its 2 x 2-patch VAE and the scheduler; 32 px, about 4 MB.
