@@ -287,7 +287,8 @@ def print_trace(t):
         guidance = f" | {s['guidance']['ms']:.2f} ms guidance -> {fmt(s['guidance']['out'])}" if "guidance" in s else ""
         guidance = "".join(f" | {p[f'{name}_ms']:.2f} ms another pass (true CFG's negative prompt) -> "
                            f"{fmt(p[f'{name}_out'])}" for p in s.get("true_cfg_passes", [])) + guidance
-        print(f"  {s[f'{name}_ms']:>9.2f}  step {s['step']} t={s['t']}: {name}({given}) -> {fmt(s[f'{name}_out'])}"
+        expert = s.get("expert", name)  # (Wan 2.2 A14B: transformer or transformer_2)
+        print(f"  {s[f'{name}_ms']:>9.2f}  step {s['step']} t={s['t']}: {expert}({given}) -> {fmt(s[f'{name}_out'])}"
               f"{guidance} | {s['scheduler_ms']:.2f} ms scheduler.step -> {fmt(s['latents'])}")
     print(f"  {t['total_ms']:>9.2f}  total (wall time of the call)")
 

@@ -387,6 +387,15 @@ def test_an_a14b_experts_lora_loads_into_that_expert_with_wanpipelines_loader_an
     assert np.abs(grid - np.concatenate(list((frames * 255).round().astype(int)), axis=1)).max() <= 1
     card = (out / "README.md").read_text()
     assert ("load_into_transformer_2=True" in card) == (expert != "high")
+    if expert == "both":  # inspect_pipeline.py: both LoRAs, and the expert of each step
+        sys.path.insert(0, str(ROOT))
+        import inspect_pipeline
+
+        flags = ["--trace", "--json", "--height", "32", "--width", "32", "--num_inference_steps", "2",
+                 "--guidance_scale", "1", "--num_frames", "1"]
+        report = inspect_pipeline.main(inspect_pipeline.parse_args([str(out), *flags]))
+        steps = [(s["t"], s["expert"]) for s in report["trace"]["stages"] if s["stage"] == "denoise"]
+        assert [expert for _, expert in steps] == ["transformer", "transformer_2"] and steps[1][0] < 875
 
 
 def test_an_a14b_expert_trains_on_its_side_of_the_boundary_only(tiny_wan_a14b):
