@@ -2,7 +2,8 @@
 digits written as mp4, animated GIF and folders of frames (demo/moving_digits.py): train_lora.py with --num_frames and
 --frame_stride, its files read back by WanPipeline.load_lora_weights (the UI file under ComfyUI's native Wan names
 too), an exact resume, the validation clip, sample.py's clips against WanPipeline's frames, and the one-line errors of
-clips that do not fit. (Wan on images, one frame each, is one family of tests/test_lora_flow.py.)"""
+clips that do not fit; Wan 2.2 A14B's experts (--wan_expert high, low, both) on its tiny two-expert build. (Wan on
+images, one frame each, is one family of tests/test_lora_flow.py.)"""
 import json
 import shutil
 import sys
