@@ -41,6 +41,8 @@ def check_lora_args(args, family):
 
     if args.target_modules == []:
         raise UserError("--target_modules: give at least one module name")
+    if getattr(args, "wan_expert", None) == "both":  # (before the Accelerator, a hub base's too: DDP's setting)
+        args.find_unused_parameters = True  # a step whose samples all fall on one side leaves an expert unused
     if args.offload_ema and not args.use_ema:
         raise UserError("--offload_ema: there is no EMA to offload without --use_ema")
     if args.adapter != "lora":  # peft's LoHa and LoKr have neither

@@ -50,8 +50,7 @@ def check_video_args(args, family, vae_config):
                                    getattr(args, "cache_dir", None), getattr(args, "wan_expert", False))
         if hasattr(args, "wan_expert"):
             args.wan_expert = expert
-        if expert == "both":  # a step whose samples all fall on one side leaves the other expert's LoRA unused
-            args.find_unused_parameters = True
+        if expert == "both":
             for flag in ("blocks_to_swap", "quantize_base"):
                 if getattr(args, flag, None):
                     raise UserError(f"--{flag} runs on one transformer: with --wan_expert both, train each expert "

@@ -150,15 +150,19 @@ def check_base(path, revision=None, cache_dir=None, expert=False):
 
 
 def expert_family(path, expert, revision=None, cache_dir=None):
-    """This family as it trains one expert of a Wan 2.2 A14B base: its pipeline holds both experts and the
-    boundary_ratio; the denoiser is the chosen expert (the other stays frozen, off the device between validations);
-    training timesteps lie on its side of the boundary (TIMESTEP_RANGE: t >= boundary for `high`, below it for
-    `low`); the LoRA file keeps diffusers' `transformer.` names, which
-    `load_lora_weights(..., load_into_transformer_2=True)` loads into the low expert."""
+    """This module for a base with one transformer (`expert` None); else the family as it trains `expert` (None:
+    DEFAULT_EXPERT) of a Wan 2.2 A14B base: its pipeline holds both experts and the boundary_ratio; the denoiser is
+    the chosen expert (the other stays frozen, off the device between validations), its training timesteps on its side
+    of the boundary (TIMESTEP_RANGE: t >= boundary for `high`, below it for `low`); the LoRA file keeps diffusers'
+    `transformer.` names, which `load_lora_weights(..., load_into_transformer_2=True)` loads into the low expert.
+    `both`: one denoiser of the two (experts_model), saved as two LoRA folders (split_experts)."""
     import sys
     import types
 
     module = sys.modules[__name__]
+    expert = check_base(path, revision, cache_dir, expert)
+    if expert is None:
+        return module
     ratio = boundary_ratio(path, revision, cache_dir)
     view = types.SimpleNamespace(**{k: v for k, v in vars(module).items() if not k.startswith("__")})
     view.COMPONENTS = {**COMPONENTS, "transformer_2": COMPONENTS["transformer"]}
