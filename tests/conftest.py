@@ -285,20 +285,33 @@ def tiny_flux2(tmp_path_factory):
     return path
 
 
-# Modules whose family-parametrized tests run side by side, one family a worker at a time (`make test` uses pytest-xdist
-# with --dist loadgroup): one such module holds most of the suite's time.
+# Modules whose family-parametrized tests run side by side, one family a worker at a time; every other module's tests
+# run on one worker together, so that its module-scoped builds are made once (`make test`: pytest-xdist, --dist
+# loadgroup). pytest-xdist 3.8 groups by a suffix it writes into the node ids, which pytest 9 no longer lets it write
+# (each test then went to either worker, and each module's builds were made on both): the scheduler below groups by
+# the node ids as they are.
 SPLIT_BY_FAMILY = {"test_lora_flow"}
 
 
-@pytest.hookimpl(tryfirst=True)
-def pytest_collection_modifyitems(config, items):
-    """Each test in an xdist group: its module's (the module-scoped builds are shared, as with --dist loadfile), or in
-    SPLIT_BY_FAMILY modules the module's and the family's (the `trained` fixture's or the `name` parameter)."""
-    for item in items:
-        if item.get_closest_marker("xdist_group") is not None:
-            continue
-        module = item.module.__name__
-        params = getattr(item, "callspec", None)
-        family = params and (params.params.get("trained") or params.params.get("name"))
-        group = f"{module}-{family}" if module in SPLIT_BY_FAMILY and isinstance(family, str) else module
-        item.add_marker(pytest.mark.xdist_group(group))
+def xdist_scope(nodeid):
+    """tests/<module>.py, or for SPLIT_BY_FAMILY modules the module and the family its id names ([flux], [sd3], ...;
+    other parameters: the module's group)."""
+    from common.families import FAMILIES
+
+    module, _, test = nodeid.partition("::")
+    family = test.rpartition("[")[2].rstrip("]") if test.endswith("]") else None
+    if Path(module).stem in SPLIT_BY_FAMILY and family in FAMILIES.values():
+        return f"{module}[{family}]"
+    return module
+
+
+def pytest_xdist_make_scheduler(config, log):
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModuleOrFamilyScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid):
+            return xdist_scope(nodeid)
+
+    return ModuleOrFamilyScheduling(config, log)
