@@ -106,6 +106,46 @@ def test_loader_carves_a_validation_split_from_train(digits):
     assert (len(no_test), len(validation), test) == (1293, 144, None)
 
 
+def test_an_imagefolder_read_over_folders_listed_once_is_the_same_dataset(tmp_path):
+    """load_image_dataset lists each folder once while datasets resolves an imagefolder's split patterns: the same
+    splits, rows and order as without, far fewer listings, and fsspec as it was afterwards."""
+    import datasets
+    from fsspec.implementations.local import LocalFileSystem
+
+    from common.image_data import folders_listed_once
+
+    root = tmp_path / "folder"
+    for split, count in (("train", 3), ("test", 2)):
+        (root / split / "sub").mkdir(parents=True)
+        with open(root / split / "metadata.jsonl", "w") as f:
+            for i in range(count):
+                name = f"{'sub/' * (i % 2)}{i}.png"
+                Image.new("RGB", (8, 8), (i, 0, 0)).save(root / split / name)
+                f.write(json.dumps({"file_name": name, "text": f"{split} {i}"}) + "\n")
+    Image.new("RGB", (8, 8)).save(root / "train" / ".hidden.png")
+    ls, calls = LocalFileSystem.ls, []
+
+    def counted(self, path, *args, **kwargs):
+        calls.append(path)
+        return ls(self, path, *args, **kwargs)
+
+    def load(cache):
+        loaded = datasets.load_dataset("imagefolder", data_dir=str(root), cache_dir=str(tmp_path / cache))
+        return {split: (ds.cast_column("image", datasets.Image(decode=False))["image"], ds["text"])
+                for split, ds in loaded.items()}
+
+    LocalFileSystem.ls = counted
+    try:
+        plain, listed = load("a"), len(calls)
+        with folders_listed_once():
+            once = load("b")
+    finally:
+        LocalFileSystem.ls = ls
+    assert once == plain and set(plain) == {"train", "test"} and len(plain["train"][1]) == 3
+    assert len(calls) - listed < listed / 4  # (each folder listed once, not once a pattern)
+    assert LocalFileSystem.ls is ls
+
+
 def test_label_ids_map_names_of_classlabel_and_plain_columns():
     # The bug this pins: a ClassLabel column's ints were looked up as names. Its ints index the ClassLabel's names.
     import datasets
