@@ -286,17 +286,20 @@ test: lint
 	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup tests $(ARGS)
 
 # Each recipe against a hand-written reference loop, --help latency, sample.py images/s (tests/benchmarks/):
-# one table, and outputs/bench/results.json; then the Flux.1, Qwen-Image, FLUX.2 klein, Z-Image and FLUX.1 Kontext
-# (edit LoRA) rows against diffusers' own scripts (flux_peer.py, qwen_image_peer.py, flux2_klein_peer.py,
-# z_image_peer.py, kontext_peer.py; minutes each). About 5 min on 2 CPU cores (3 repeats), plus about 5 for
-# lora_buckets and lora_square (aspect-ratio buckets against square crops); BENCH_ARGS="--repeats 1" for a quick look.
+# one table, and outputs/bench/results.json; then the SD, Flux.1, Qwen-Image, FLUX.2 klein, Z-Image and FLUX.1 Kontext
+# (edit LoRA) rows against diffusers' own scripts (sd_peer.py, flux_peer.py, qwen_image_peer.py, flux2_klein_peer.py,
+# z_image_peer.py, kontext_peer.py, on peer_bench.py; minutes each). About 5 min on 2 CPU cores (3 repeats), plus
+# about 5 for lora_buckets and lora_square (aspect-ratio buckets against square crops); BENCH_ARGS="--repeats 1" for a
+# quick look.
 .PHONY: bench
 BENCH_ARGS ?=
 bench: data $(TINY_SD) $(TINY_FLUX) $(TINY_QWEN_IMAGE) $(TINY_FLUX2_KLEIN) $(TINY_Z_IMAGE)
 	$(PY) tests/benchmarks/run_bench.py $(BENCH_ARGS)
+	$(if $(wildcard .gpu-pack/peers/train_text_to_image_lora.py),$(PY) tests/benchmarks/sd_peer.py run,@echo "the SD \
+	  row needs diffusers' own script: make bench-peers DIFFUSERS_REPO=<a clone of diffusers>")
 	$(if $(wildcard .gpu-pack/peers/train_dreambooth_lora_flux.py),$(PY) tests/benchmarks/flux_peer.py run,@echo "the \
 	  Flux row needs diffusers' own script: make bench-peers DIFFUSERS_REPO=<a clone of diffusers>")
-	$(if $(wildcard .gpu-pack/peers/train_dreambooth_lora_qwen_image.py),$(PY) tests/benchmarks/qwen_image_peer.py,\
+	$(if $(wildcard .gpu-pack/peers/train_dreambooth_lora_qwen_image.py),$(PY) tests/benchmarks/qwen_image_peer.py run,\
 	  @echo "the Qwen-Image row needs diffusers' own script: make bench-peers DIFFUSERS_REPO=<a clone of diffusers>")
 	$(if $(wildcard .gpu-pack/peers/train_dreambooth_lora_flux2_klein.py),$(PY) tests/benchmarks/flux2_klein_peer.py \
 	  run,@echo "the FLUX.2 klein row needs diffusers' own script: make bench-peers DIFFUSERS_REPO=<a clone of diffusers>")

@@ -246,7 +246,7 @@ def main(args):
     # <domain: model>
     from diffusers.training_utils import EMAModel, cast_training_params
 
-    from common.base_models import load_parts, offload_idle_models
+    from common.base_models import lazy_latent_cache, load_parts, offload_idle_models
     from common.lora_adapters import add_lora, place_frozen_denoiser, quantization_config
     from common.objectives import make_objective
     from common.prompts import Conditioning
@@ -312,8 +312,10 @@ def main(args):
         logger.info(f"prior preservation: each batch {args.train_batch_size} of the {n_instance} instance images, then "
                     f"as many of the {len(train_ds) - n_instance} class images")
     if args.cache_latents:
-        logger.info(f"caching the latents of {len(train_data)} images{' and their mirror images' * args.random_flip}")
-        train_data = CachedLatents(train_data, encode, args.vae_encode_batch_size)
+        lazy = lazy_latent_cache(args, accelerator.device)  # (each image when a batch first needs it)
+        logger.info(f"caching the latents of {len(train_data)} images{' and their mirror images' * args.random_flip}"
+                    f"{' as the batches first need them' * lazy}")
+        train_data = CachedLatents(train_data, encode, args.vae_encode_batch_size, lazy)
     offload_idle_models(logger, args, vae, list(text_encoders.values()), text_cached=condition.cache is not None)
     train_dataloader = torch.utils.data.DataLoader(train_data, num_workers=args.dataloader_num_workers,
                                                    collate_fn=collate_batch, **loader_batches)

@@ -199,6 +199,15 @@ def idle_frozen_models(cache_latents, text_cached, validation_prompts):
                                     ("text_encoders", text_cached)) if idle]
 
 
+def lazy_latent_cache(args, device):
+    """Whether --cache_latents encodes each image when a batch first needs it (a short run then encodes only what it
+    trains on; common/image_data.py's CachedLatents), not all of them before training: unless dataloader workers read
+    the batches (they could not share what they encode), or the VAE is to leave an accelerator's memory once the
+    cache is made (offload_idle_models; on the CPU that move changes nothing)."""
+    vae_leaves = "vae" in idle_frozen_models(args.cache_latents, False, args.validation_prompt)
+    return args.dataloader_num_workers == 0 and (device.type == "cpu" or not vae_leaves)
+
+
 def offload_idle_models(logger, args, vae, text_encoders, text_cached):
     """Move the frozen models that `idle_frozen_models` finds idle to the CPU (the device memory they held goes to
     training), with a log line; call it after the caches and the held-out loss are made. Returns the names moved."""
