@@ -28,7 +28,7 @@ LAUNCH := $(LAUNCH_ENV) $(PY) -m common.launch --config_file $(CONFIG) \
 ARGS ?=
 DIGITS := data/digits/train/metadata.jsonl
 
-.PHONY: install install-extras install-deepspeed lint data env tiny-sd-base tiny-flux-base tiny-sdxl tiny-sd3 tiny-flux tiny-qwen-image train-text-to-image train-classifier train-ddpm sample-ddpm tiny-sd train-lora train-dreambooth sample-lora inspect test clean tiny-z-image tiny-flux2-klein tiny-flux2 tiny-wan
+.PHONY: install install-extras install-deepspeed lint data env tiny-sd-base tiny-flux-base tiny-sdxl tiny-sd3 tiny-flux tiny-qwen-image train-text-to-image train-classifier train-ddpm sample-ddpm tiny-sd train-lora train-dreambooth sample-lora inspect test clean tiny-z-image tiny-flux2-klein tiny-flux2 tiny-wan tiny-wan-a14b
 
 install: $(VENV)/.installed
 $(VENV)/.installed: requirements.txt
@@ -126,6 +126,11 @@ TINY_WAN := models/tiny-wan/model_index.json
 tiny-wan: $(TINY_WAN)
 $(TINY_WAN): | install
 	$(PY) -m demo.tiny_wan --output_dir models/tiny-wan
+# Wan 2.2 A14B's layout: two experts (transformer, transformer_2) switched at boundary_ratio 0.875 (--wan_expert).
+TINY_WAN_A14B := models/tiny-wan-a14b/model_index.json
+tiny-wan-a14b: $(TINY_WAN_A14B)
+$(TINY_WAN_A14B): | install
+	$(PY) -m demo.tiny_wan --variant a14b --output_dir models/tiny-wan-a14b
 
 # FLUX.2 (demo/tiny_flux2.py): klein (Flux2KleinPipeline: a Qwen3 text encoder) and dev (Flux2Pipeline: Mistral3,
 # a guidance embedding), each with FLUX.2's transformer, its 2 x 2-patch VAE and the scheduler; 32 px, about 4 MB.
@@ -281,17 +286,20 @@ test: lint
 	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup tests $(ARGS)
 
 # Each recipe against a hand-written reference loop, --help latency, sample.py images/s (tests/benchmarks/):
-# one table, and outputs/bench/results.json; then the Flux.1, Qwen-Image, FLUX.2 klein, Z-Image and FLUX.1 Kontext
-# (edit LoRA) rows against diffusers' own scripts (flux_peer.py, qwen_image_peer.py, flux2_klein_peer.py,
-# z_image_peer.py, kontext_peer.py; minutes each). About 5 min on 2 CPU cores (3 repeats), plus about 5 for
-# lora_buckets and lora_square (aspect-ratio buckets against square crops); BENCH_ARGS="--repeats 1" for a quick look.
+# one table, and outputs/bench/results.json; then the SD, Flux.1, Qwen-Image, FLUX.2 klein, Z-Image and FLUX.1 Kontext
+# (edit LoRA) rows against diffusers' own scripts (sd_peer.py, flux_peer.py, qwen_image_peer.py, flux2_klein_peer.py,
+# z_image_peer.py, kontext_peer.py, on peer_bench.py; minutes each). About 5 min on 2 CPU cores (3 repeats), plus
+# about 5 for lora_buckets and lora_square (aspect-ratio buckets against square crops); BENCH_ARGS="--repeats 1" for a
+# quick look.
 .PHONY: bench
 BENCH_ARGS ?=
 bench: data $(TINY_SD) $(TINY_FLUX) $(TINY_QWEN_IMAGE) $(TINY_FLUX2_KLEIN) $(TINY_Z_IMAGE)
 	$(PY) tests/benchmarks/run_bench.py $(BENCH_ARGS)
+	$(if $(wildcard .gpu-pack/peers/train_text_to_image_lora.py),$(PY) tests/benchmarks/sd_peer.py run,@echo "the SD \
+	  row needs diffusers' own script: make bench-peers DIFFUSERS_REPO=<a clone of diffusers>")
 	$(if $(wildcard .gpu-pack/peers/train_dreambooth_lora_flux.py),$(PY) tests/benchmarks/flux_peer.py run,@echo "the \
 	  Flux row needs diffusers' own script: make bench-peers DIFFUSERS_REPO=<a clone of diffusers>")
-	$(if $(wildcard .gpu-pack/peers/train_dreambooth_lora_qwen_image.py),$(PY) tests/benchmarks/qwen_image_peer.py,\
+	$(if $(wildcard .gpu-pack/peers/train_dreambooth_lora_qwen_image.py),$(PY) tests/benchmarks/qwen_image_peer.py run,\
 	  @echo "the Qwen-Image row needs diffusers' own script: make bench-peers DIFFUSERS_REPO=<a clone of diffusers>")
 	$(if $(wildcard .gpu-pack/peers/train_dreambooth_lora_flux2_klein.py),$(PY) tests/benchmarks/flux2_klein_peer.py \
 	  run,@echo "the FLUX.2 klein row needs diffusers' own script: make bench-peers DIFFUSERS_REPO=<a clone of diffusers>")

@@ -334,7 +334,13 @@ def sample_pipeline(args):
                     load_peft_adapters(pipe, path, name)
                     continue
                 folder, weight_name = (path, None) if not path.endswith(".safetensors") else os.path.split(path)
-                pipe.load_lora_weights(folder or ".", weight_name=weight_name, adapter_name=name)
+                # Wan 2.2 A14B's LoRAs: into the expert their folder's lora_info.json names
+                expert = (read_lora_info(path) or {}).get("wan_expert") if os.path.isdir(path) else None
+                pipe.load_lora_weights(folder or ".", weight_name=weight_name, adapter_name=name,
+                                       **({"load_into_transformer_2": True} if expert == "low" else {}))
+                if expert == "both":  # the low expert's, under the same adapter name (one scale for both)
+                    pipe.load_lora_weights(os.path.join(folder, "low"), adapter_name=name,
+                                           load_into_transformer_2=True)
     except (RuntimeError, ValueError, KeyError, OSError) as err:
         raise UserError(f"--lora '{path}' does not fit the base model '{base}' (a LoRA for another model?): "
                         f"{one_line(err)}") from None

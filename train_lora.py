@@ -1,21 +1,21 @@
 #!/usr/bin/env python
 """Fine-tune a text-to-image diffusion model with LoRA (peft) on captioned images, the accelerate way.
 
-SD 1.x/2.x and XL (a UNet on DDPM noise), SD 3, Flux.1, FLUX.2, Qwen-Image, Z-Image, Wan (video clips: --num_frames)
-(transformers trained by flow matching): the base's model_index.json names its family, whose module (common/families/)
-loads it, embeds prompts (SDXL: two CLIPs, pooled embedding, each image's size "time ids"; SD3: two CLIPs and T5;
-Flux.1: CLIP pooled, T5, packed latents, guidance input; the newer bases: an LLM's hidden states) and calls its
-denoiser. The denoiser frozen, LoRA (init_lora_weights="gaussian") on its attention projections (optionally on the CLIP
-text encoders too), trained on the family's objective (common/objectives.py; the other objective's flags are refused);
-frozen weights in fp16/bf16, LoRA in fp32; latents (--cache_latents) and prompt embeddings computed once, then the text
-encoders leave the accelerator; caption dropout, an EMA of the LoRA weights (--use_ema: what gets exported), validation
-images, a held-out loss, resumable checkpoints. Also DreamBooth with prior preservation (common/dreambooth.py: class
-images the base draws once), a loss mask per image (--masked_loss, common/loss_masks.py), edit LoRAs from reference
-images paired by name (--control_data_dir: FLUX.1 Kontext, FLUX.2; common/references.py, `make train-edit-lora`), and
-LyCORIS's LoHa and LoKr instead of LoRA (--adapter, peft). Writes pytorch_lora_weights.safetensors
-(`pipe.load_lora_weights(output_dir)`; LoHa/LoKr: peft_adapter_weights.safetensors, which sample.py loads through peft),
-beside it pytorch_lora_weights_ui.safetensors for ComfyUI, Forge and A1111, a model card, and lora_info.json, from which
-sample.py finds the base model.
+SD 1.x/2.x and XL (a UNet on DDPM noise), SD 3, Flux.1, FLUX.2, Qwen-Image, Z-Image, Wan (video clips: --num_frames;
+A14B's experts: --wan_expert) (transformers trained by flow matching): the base's model_index.json names its family,
+whose module (common/families/) loads it, embeds prompts (SDXL: two CLIPs, pooled embedding, each image's size "time
+ids"; SD3: two CLIPs and T5; Flux.1: CLIP pooled, T5, packed latents, guidance input; the newer bases: an LLM's hidden
+states) and calls its denoiser. The denoiser frozen, LoRA (init_lora_weights="gaussian") on its attention projections
+(optionally on the CLIP text encoders too), trained on the family's objective (common/objectives.py; the other
+objective's flags are refused); frozen weights in fp16/bf16, LoRA in fp32; latents (--cache_latents) and prompt
+embeddings computed once, then the text encoders leave the accelerator; caption dropout, an EMA of the LoRA weights
+(--use_ema: what gets exported), validation images, a held-out loss, resumable checkpoints. Also DreamBooth with prior
+preservation (common/dreambooth.py: class images the base draws once), a loss mask per image (--masked_loss,
+common/loss_masks.py), edit LoRAs from reference images paired by name (--control_data_dir: FLUX.1 Kontext, FLUX.2;
+common/references.py, `make train-edit-lora`), and LyCORIS's LoHa and LoKr instead of LoRA (--adapter, peft). Writes
+pytorch_lora_weights.safetensors (`pipe.load_lora_weights(output_dir)`; LoHa/LoKr: peft_adapter_weights.safetensors,
+which sample.py loads through peft), beside it pytorch_lora_weights_ui.safetensors for ComfyUI, Forge and A1111, a model
+card, and lora_info.json, from which sample.py finds the base model.
 
 Defaults suit a real base: --resolution is the base's native size (its VAE's sample_size, 512 for SD 1.5),
 --learning_rate 1e-4, --train_batch_size 16, as in diffusers' LoRA example.
@@ -97,7 +97,7 @@ def parse_args(argv=None):
     add_caption_args(g, caption_dropout_prob=0.0)
     add_latent_cache_args(g)
     add_bucket_args(g)
-    add_video_args(g)  # --num_frames, --frame_stride (video bases: common/video.py)
+    add_video_args(g, experts=True)  # --num_frames, --frame_stride, --wan_expert (video bases: common/video.py)
     add_mask_args(g)
     add_reference_args(parser)  # edit LoRAs: --control_data_dir (common/references.py)
     add_dreambooth_args(parser)
@@ -208,7 +208,7 @@ def main(args):
     from common.validation_loss import HeldOutLoss, load_with_validation
 
     path, flag = args.pretrained_model_name_or_path, "--pretrained_model_name_or_path"
-    family = load_family(path, flag, args.revision, args.cache_dir)  # which pipeline: its model_index.json
+    family = load_family(path, flag, args.revision, args.cache_dir, expert=args.wan_expert)  # model_index.json
     check_family_args(args, family)  # (a hub base's: now that its family is known)
     check_lora_args(args, family)
     check_block_swap(args, family, accelerator)  # (swap, fp8: not under DeepSpeed or FSDP; swap: at most the blocks)
@@ -246,7 +246,7 @@ def main(args):
     # <domain: model>
     from diffusers.training_utils import EMAModel, cast_training_params
 
-    from common.base_models import load_parts, offload_idle_models
+    from common.base_models import lazy_latent_cache, load_parts, offload_idle_models
     from common.lora_adapters import add_lora, place_frozen_denoiser, quantization_config
     from common.objectives import make_objective
     from common.prompts import Conditioning
@@ -312,8 +312,10 @@ def main(args):
         logger.info(f"prior preservation: each batch {args.train_batch_size} of the {n_instance} instance images, then "
                     f"as many of the {len(train_ds) - n_instance} class images")
     if args.cache_latents:
-        logger.info(f"caching the latents of {len(train_data)} images{' and their mirror images' * args.random_flip}")
-        train_data = CachedLatents(train_data, encode, args.vae_encode_batch_size)
+        lazy = lazy_latent_cache(args, accelerator.device)  # (each image when a batch first needs it)
+        logger.info(f"caching the latents of {len(train_data)} images{' and their mirror images' * args.random_flip}"
+                    f"{' as the batches first need them' * lazy}")
+        train_data = CachedLatents(train_data, encode, args.vae_encode_batch_size, lazy)
     offload_idle_models(logger, args, vae, list(text_encoders.values()), text_cached=condition.cache is not None)
     train_dataloader = torch.utils.data.DataLoader(train_data, num_workers=args.dataloader_num_workers,
                                                    collate_fn=collate_batch, **loader_batches)

@@ -186,7 +186,7 @@ def main(args):
     # <domain: model>
     from diffusers.training_utils import EMAModel
 
-    from common.base_models import load_parts, offload_idle_models
+    from common.base_models import lazy_latent_cache, load_parts, offload_idle_models
     from common.objectives import make_objective
     from common.prompts import Conditioning
     from common.vae import encode_params, sample_latents
@@ -232,8 +232,10 @@ def main(args):
         args.train_batch_size)
     loader_batches = batching(sizes, args.train_batch_size, args.seed, train_data)  # one bucket each with --buckets
     if args.cache_latents:
-        logger.info(f"caching the latents of {len(train_data)} images{' and their mirror images' * args.random_flip}")
-        train_data = CachedLatents(train_data, encode, args.vae_encode_batch_size)
+        lazy = lazy_latent_cache(args, accelerator.device)  # (each image when a batch first needs it)
+        logger.info(f"caching the latents of {len(train_data)} images{' and their mirror images' * args.random_flip}"
+                    f"{' as the batches first need them' * lazy}")
+        train_data = CachedLatents(train_data, encode, args.vae_encode_batch_size, lazy)
     offload_idle_models(logger, args, vae, text_encoders, text_cached=True)
     train_dataloader = torch.utils.data.DataLoader(train_data, num_workers=args.dataloader_num_workers,
                                                    collate_fn=collate_batch, **loader_batches)

@@ -314,7 +314,8 @@ def add_latent_cache_args(group):
     """--cache_latents of the Stable Diffusion trainers, and the batch its VAE encoding runs at (diffusers' name)."""
     group.add_argument("--cache_latents", action="store_true",
                        help="VAE-encode every image once (implies --center_crop; with --random_flip both "
-                            "orientations).")
+                            "orientations): before training, or, where the VAE is not to leave the device (the CPU, "
+                            "--validation_prompt) and without dataloader workers, when a batch first needs it.")
     group.add_argument("--vae_encode_batch_size", type=positive_int, default=None,
                        help="--cache_latents: images per VAE encode while the cache is made, before training "
                             "(default: a quarter of --train_batch_size, at least 1: at full resolution an image's "

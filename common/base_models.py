@@ -178,7 +178,8 @@ def load_parts(family, path, flag="--pretrained_model_name_or_path", *, dtype, d
                 parts[name] = cls.from_pretrained(path, **kwargs)
     except (OSError, ValueError) as err:
         raise load_error(flag, path, err) from None
-    return parts
+    combine = getattr(family, "combine_experts", None)  # (Wan 2.2 A14B, both experts training: one denoiser)
+    return combine(parts) if combine else parts
 
 
 def lora_dtypes(mixed_precision):
@@ -196,6 +197,15 @@ def idle_frozen_models(cache_latents, text_cached, validation_prompts):
     validation prompts' among them)."""
     return [name for name, idle in (("vae", cache_latents and not validation_prompts),
                                     ("text_encoders", text_cached)) if idle]
+
+
+def lazy_latent_cache(args, device):
+    """Whether --cache_latents encodes each image when a batch first needs it (a short run then encodes only what it
+    trains on; common/image_data.py's CachedLatents), not all of them before training: unless dataloader workers read
+    the batches (they could not share what they encode), or the VAE is to leave an accelerator's memory once the
+    cache is made (offload_idle_models; on the CPU that move changes nothing)."""
+    vae_leaves = "vae" in idle_frozen_models(args.cache_latents, False, args.validation_prompt)
+    return args.dataloader_num_workers == 0 and (device.type == "cpu" or not vae_leaves)
 
 
 def offload_idle_models(logger, args, vae, text_encoders, text_cached):

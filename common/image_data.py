@@ -44,7 +44,9 @@ def load_image_dataset(args, carve_eval=True, validation_split=None, read_folder
         else:
             loaded = read_folder(args.train_data_dir) if read_folder else None
             if loaded is None:
-                loaded = datasets.load_dataset("imagefolder", data_dir=args.train_data_dir, cache_dir=args.cache_dir)
+                with folders_listed_once():
+                    loaded = datasets.load_dataset("imagefolder", data_dir=args.train_data_dir,
+                                                   cache_dir=args.cache_dir)
     except UserError:
         raise
     except Exception as err:  # datasets raises many types for a missing/invalid dataset
@@ -70,6 +72,27 @@ def load_image_dataset(args, carve_eval=True, validation_split=None, read_folder
     if validation_split is not None:
         return train, carved, evaluation
     return train, evaluation if evaluation is not None else carved
+
+
+@contextlib.contextmanager
+def folders_listed_once():
+    """Within it fsspec's local file system lists each folder once: datasets finds an imagefolder's files by trying
+    two dozen split patterns, each a glob that lists (and stats every file of) the whole tree again."""
+    from fsspec.implementations.local import LocalFileSystem
+
+    ls, listings = LocalFileSystem.ls, {}
+
+    def listed(self, path, detail=False, **kwargs):
+        key = (path, detail, tuple(sorted(kwargs.items())))
+        if key not in listings:
+            listings[key] = ls(self, path, detail=detail, **kwargs)
+        return list(listings[key])
+
+    LocalFileSystem.ls = listed
+    try:
+        yield
+    finally:
+        LocalFileSystem.ls = ls
 
 
 def require_columns(dataset, **columns):
@@ -576,55 +599,78 @@ class CachedLatents:
     are encoded `batch_size` at a time, a bucket at a time. With masks, "mask" too: each view's mask averaged down to
     its latent grid (common/loss_masks.py: latent_mask), cached with its latent. With references (edit LoRAs),
     "reference_latents" too: each view's reference images' latent means [k, C, h, w] (common/references.py).
+
+    lazy: a chunk's view (its `batch_size` images as they are, or mirrored) is encoded when a batch first asks for one
+    of its images, in the process that reads the batches (so not with dataloader workers), so that a short run
+    encodes only what it trains on; else all of them now. Either way each chunk's view is encoded in the same call,
+    so the values do not depend on which batches came first (a resumed run gets the same latents). Once every view
+    is cached the decoded images are dropped.
     """
 
-    def __init__(self, images, encode, batch_size):
-        import torch
-
-        from .loss_masks import latent_mask
-
-        self.images = images
+    def __init__(self, images, encode, batch_size, lazy=False):
         groups = {}
         frames = images.frame_counts() or [1] * len(images)  # (clips of one length a group)
         for i in range(len(images)):
             groups.setdefault((images.crop_size(i), frames[i]), []).append(i)
-        params, masks, references = [None] * len(images), [None] * len(images), [None] * len(images)
-        for members in groups.values():
-            for start in range(0, len(members), batch_size):
-                chunk = members[start:start + batch_size]
-                items = [images[i] for i in chunk]
-                flips = [self.flipped(i) for i in chunk]
+        self.images, self.encode, self.uniform = images, encode, len(groups) == 1
+        self.chunks = [members[start:start + batch_size] for members in groups.values()
+                       for start in range(0, len(members), batch_size)]
+        self.chunk_of = [0] * len(images)
+        for c, chunk in enumerate(self.chunks):
+            for i in chunk:
+                self.chunk_of[i] = c
+        self.num_views = 2 if images.random_flip else 1
+        self.todo = {(c, v) for c in range(len(self.chunks)) for v in range(self.num_views)}
+        # [N, views, 2 * latent channels, h, w] when every image has one size, else a list of [views, ...] (buckets);
+        # masks and references alike (None without them)
+        self.params = [None] * len(images)
+        self.masks = None if images.masks is None else [None] * len(images)
+        self.references = None if images.references is None else [None] * len(images)
+        if not lazy:
+            self.fill((i, v) for i in range(len(images)) for v in range(self.num_views))
 
-                def unflipped(name):  # the items' images (or masks) as they are, unflipped: [B, C, H, W]
-                    return torch.stack([item[name].flip(-1) if f else item[name] for item, f in zip(items, flips)])
+    def fill(self, pairs):
+        """Encode the chunk views that hold these (image, view) pairs, where not cached yet."""
+        missing = sorted({(self.chunk_of[i], v) for i, v in pairs} & self.todo)
+        for c, v in missing:
+            self._encode_view(self.chunks[c], v)
+            self.todo.discard((c, v))
+        if missing and not self.todo:
+            self.images.cache = None  # the decoded images are not needed any more
 
-                pixels = unflipped("pixel_values")
-                views = [pixels, pixels.flip(-1)] if images.random_flip else [pixels]
-                latents = torch.stack([encode(v).cpu() for v in views], dim=1)
-                for n, i in enumerate(chunk):
-                    params[i] = latents[n]
-                if images.masks is not None:  # each view's mask on its latent grid
-                    mask = unflipped("mask")
-                    views = [mask, mask.flip(-1)] if images.random_flip else [mask]
-                    grid = torch.stack([latent_mask(v, latents[:, 0]).cpu() for v in views], dim=1)
-                    for n, i in enumerate(chunk):
-                        masks[i] = grid[n]
-                if images.references is not None:  # each view's references' latent means
-                    pixels = unflipped("reference_values")
-                    views = [pixels, pixels.flip(-1)] if images.random_flip else [pixels]
-                    means = torch.stack([reference_means(encode, v).cpu() for v in views], dim=1)
-                    for n, i in enumerate(chunk):
-                        references[i] = means[n]
-        # [N, views, 2 * latent channels, h, w] when every image has one size, else a list (buckets); masks and
-        # references alike
+    def _encode_view(self, chunk, view):
+        import torch
 
-        def stacked(values, present):
-            return None if not present else torch.stack(values) if len(groups) == 1 else values
+        from .loss_masks import latent_mask
 
-        self.params = stacked(params, True)
-        self.masks = stacked(masks, images.masks is not None)
-        self.references = stacked(references, images.references is not None)
-        images.cache = None  # the decoded images are not needed any more
+        items = [self.images[i] for i in chunk]
+        flips = [self.flipped(i) for i in chunk]
+
+        def oriented(name):  # the items' images (or masks) as they are, or mirrored (view 1): [B, C, H, W]
+            values = torch.stack([item[name].flip(-1) if f else item[name] for item, f in zip(items, flips)])
+            return values.flip(-1) if view else values
+
+        latents = self.encode(oriented("pixel_values")).cpu()
+        self._store("params", chunk, view, latents)
+        if self.masks is not None:  # the view's mask on its latent grid
+            self._store("masks", chunk, view, latent_mask(oriented("mask"), latents).cpu())
+        if self.references is not None:  # the view's references' latent means
+            self._store("references", chunk, view, reference_means(self.encode, oriented("reference_values")).cpu())
+
+    def _store(self, name, chunk, view, values):
+        import torch
+
+        cached = getattr(self, name)
+        if self.uniform and not isinstance(cached, torch.Tensor):  # one tensor for all, made on the first chunk
+            cached = torch.empty((len(self.images), self.num_views, *values.shape[1:]), dtype=values.dtype)
+            setattr(self, name, cached)
+        for n, i in enumerate(chunk):
+            if self.uniform:
+                cached[i, view] = values[n]
+            else:
+                if cached[i] is None:
+                    cached[i] = values.new_empty((self.num_views, *values.shape[1:]))
+                cached[i][view] = values[n]
 
     def set_epoch(self, epoch):
         self.images.set_epoch(epoch)
@@ -649,6 +695,7 @@ class CachedLatents:
 
     def __getitem__(self, index):
         view = self.views([index])[0]
+        self.fill([(index, int(view))])
         item = {"latent_params": self.params[index][view], "index": index}
         if self.masks is not None:
             item["mask"] = self.masks[index][view]
@@ -661,6 +708,8 @@ class CachedLatents:
         import torch
 
         index, views = torch.as_tensor(indices), self.views(indices)
+        if self.todo:
+            self.fill(zip(indices, views.tolist()))
         batch = {"index": index}
         for name, cached in (("latent_params", self.params), ("mask", self.masks),
                              ("reference_latents", self.references)):

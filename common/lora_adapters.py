@@ -13,7 +13,7 @@ def comma_list(text):
 
 
 SAME_LORA = ("adapter", "rank", "lora_alpha", "lokr_factor", "target_modules", "use_dora",
-             "train_text_encoder")  # needed to resume
+             "train_text_encoder", "wan_expert")  # needed to resume (wan_expert: Wan 2.2 A14B's)
 # Each adapter's weight names in peft (its layer's adapter_layer_names): what trains, what a checkpoint must set.
 ADAPTER_WEIGHTS = {"lora": ("lora_",), "loha": ("hada_",), "lokr": ("lokr_",)}
 
@@ -41,6 +41,8 @@ def check_lora_args(args, family):
 
     if args.target_modules == []:
         raise UserError("--target_modules: give at least one module name")
+    if getattr(args, "wan_expert", None) == "both":  # (before the Accelerator, a hub base's too: DDP's setting)
+        args.find_unused_parameters = True  # a step whose samples all fall on one side leaves an expert unused
     if args.offload_ema and not args.use_ema:
         raise UserError("--offload_ema: there is no EMA to offload without --use_ema")
     if args.adapter != "lora":  # peft's LoHa and LoKr have neither

@@ -56,6 +56,7 @@ def lora_info(args):
             "num_frames": (getattr(args, "clip_frames", None) or [None])[0],  # a video LoRA's: sample.py's default
             "ema_weights": args.use_ema,  # the weights in pytorch_lora_weights.safetensors are the EMA ones
             "references": len(args.control_data_dir or args.control_image_column),  # an edit LoRA's reference images
+            "wan_expert": getattr(args, "wan_expert", None),  # Wan 2.2 A14B: the expert the LoRA is of
             "trigger": args.instance_prompt or args.caption_prefix.strip(" ,") or None}  # what prompts need to show it
 
 
@@ -149,6 +150,11 @@ def save_lora_weights(folder, family, lora_models, info, metadata=None):
     from peft.utils import get_peft_model_state_dict
     from safetensors.torch import save_file
 
+    if getattr(family, "split_experts", None):  # Wan 2.2 A14B, both experts: the high one's here, the low one's below
+        for subfolder, expert_family, models in family.split_experts(lora_models):
+            expert_info = {**info, "wan_expert": expert_family.EXPERT} if subfolder else info
+            save_lora_weights(os.path.join(folder, subfolder), expert_family, models, expert_info, metadata)
+        return write_lora_info(folder, info)
     states = {name: get_peft_model_state_dict(model) for name, model in lora_models.items()}
     configs = {name: model.peft_config["default"].to_dict() for name, model in lora_models.items()}
     if info.get("adapter", "lora") != "lora":
@@ -160,13 +166,16 @@ def save_lora_weights(folder, family, lora_models, info, metadata=None):
                    for name, state in states.items() if name != family.DENOISER}
     header = {"format": "pt", **(metadata or {})}
     # diffusers writes its adapter metadata only with its own save function: the same entry, written here beside ours
-    adapter_configs = {f"{name}.{key}": value for name, config in configs.items() for key, value in config.items()}
+    # (a Wan A14B expert's file names its denoiser `transformer`, whichever expert: LORA_FILE_DENOISER)
+    named = {family.DENOISER: getattr(family, "LORA_FILE_DENOISER", family.DENOISER)}
+    adapter_configs = {f"{named.get(name, name)}.{key}": value for name, config in configs.items()
+                       for key, value in config.items()}
     header[LORA_ADAPTER_METADATA_KEY] = json.dumps(adapter_configs, indent=2, sort_keys=True, default=sorted)
     getattr(diffusers, family.PIPELINE).save_lora_weights(
         # The denoiser's keys stay in peft's format (lora_A/lora_B): converted, a UNet's attention layers get
         # diffusers' old names (lora.down/lora.up) while convolutions keep peft's, and the loader then drops the
         # attention ones without an error (a LoRA on attention and convolutions would load half applied).
-        folder, weight_name=LORA_WEIGHTS, **{f"{family.DENOISER}_lora_layers": states[family.DENOISER]},
+        folder, weight_name=LORA_WEIGHTS, **{f"{named[family.DENOISER]}_lora_layers": states[family.DENOISER]},
         **text_layers, save_function=lambda weights, path: save_file(weights, path, metadata=header))
     ui_header = {"format": "pt", **(metadata or {})}  # (no adapter configs: diffusers refuses them beside alphas)
     if "modelspec.implementation" in ui_header:  # whose module names the file uses, as kohya's files say

@@ -82,7 +82,7 @@ def make_objective(family, scheduler, args):
     if family.OBJECTIVE == "ddpm":
         return DDPM(scheduler, snr_gamma=args.snr_gamma, noise_offset=args.noise_offset)
     return FlowMatching(scheduler, args.weighting_scheme, args.logit_mean, args.logit_std, args.mode_scale,
-                        bool(args.precondition_outputs))
+                        bool(args.precondition_outputs), getattr(family, "TIMESTEP_RANGE", None))
 
 
 class DDPM:
@@ -140,7 +140,9 @@ class FlowMatching:
     """Rectified flow over a FlowMatchEulerDiscreteScheduler's training sigmas."""
 
     def __init__(self, scheduler, weighting_scheme="none", logit_mean=0.0, logit_std=1.0, mode_scale=1.29,
-                 precondition_outputs=False):
+                 precondition_outputs=False, timestep_range=None):
+        """timestep_range (low, high): only the schedule's timesteps t with low <= t / num_train_timesteps < high
+        train (an expert's side of Wan 2.2 A14B's boundary); the weighting scheme draws over them."""
         import torch
 
         self.weighting_scheme, self.logit_mean, self.logit_std = weighting_scheme, logit_mean, logit_std
@@ -149,6 +151,11 @@ class FlowMatching:
         self.sigmas = scheduler.sigmas.detach().clone().to(torch.float32)
         self.timesteps = scheduler.timesteps.detach().clone().to(torch.float32)
         self.num_train_timesteps = scheduler.config.num_train_timesteps
+        self.first, self.count = 0, len(self.timesteps)  # the schedule indices drawn from: [first, first + count)
+        if timestep_range is not None:
+            low, high = (bound * self.num_train_timesteps for bound in timestep_range)
+            inside = ((self.timesteps >= low) & (self.timesteps < high)).nonzero().flatten()
+            self.first, self.count = int(inside[0]), len(inside)  # (timesteps fall: one run of indices)
 
     def __call__(self, latents):
         """A training draw: noise, a timestep index per sample drawn by the weighting scheme (on the CPU, as
@@ -159,15 +166,14 @@ class FlowMatching:
         noise = torch.randn_like(latents)
         u = compute_density_for_timestep_sampling(self.weighting_scheme, latents.shape[0], self.logit_mean,
                                                   self.logit_std, self.mode_scale)
-        indices = (u * self.num_train_timesteps).long().clamp(0, self.num_train_timesteps - 1)
+        indices = self.first + (u * self.count).long().clamp(0, self.count - 1)
         return self.at(latents, noise, indices)
 
     def fixed_timesteps(self, fractions):
         """Schedule indices at given fractions (the held-out loss's fixed points)."""
         import torch
 
-        return torch.tensor([min(int(f * self.num_train_timesteps), self.num_train_timesteps - 1)
-                             for f in fractions])
+        return torch.tensor([self.first + min(int(f * self.count), self.count - 1) for f in fractions])
 
     def at(self, latents, noise, indices, weighted=True):
         """Noised latents at given noise and schedule indices."""

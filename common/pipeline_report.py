@@ -175,8 +175,12 @@ def load_lora(pipe, args):
                            else (os.path.dirname(args.lora) or ".", os.path.basename(args.lora)))
     base_params = {name: sum(p.numel() for p in c.parameters()) for name, c in pipe.components.items()
                    if hasattr(c, "parameters")}
+    info = read_lora_info(folder) or {}
+    low = {"load_into_transformer_2": True} if info.get("wan_expert") == "low" else {}  # (Wan A14B's low expert)
     try:
-        pipe.load_lora_weights(folder, weight_name=weight_name, adapter_name="inspected")
+        pipe.load_lora_weights(folder, weight_name=weight_name, adapter_name="inspected", **low)
+        if info.get("wan_expert") == "both":  # and the low expert's, from low/
+            pipe.load_lora_weights(os.path.join(folder, "low"), adapter_name="inspected", load_into_transformer_2=True)
     except (RuntimeError, ValueError, KeyError, OSError) as err:
         mismatch = re.search(r"size mismatch for (\S+): copying a param with shape torch.Size\((\[[^]]*\])\) from "
                              r"checkpoint, the shape in current model is torch.Size\((\[[^]]*\])\)", str(err))
@@ -186,7 +190,6 @@ def load_lora(pipe, args):
             raise UserError(f"--lora '{args.lora}' was made for another base: {module} is {theirs} in the LoRA but "
                             f"{ours} in '{args.model}'") from None
         raise UserError(f"--lora '{args.lora}' does not load into '{args.model}': {first_line(err)}") from None
-    info = read_lora_info(folder) or {}
     report = {"path": args.lora, "trained_on": info.get("base_model"), "components": {}}
     for name, component in pipe.components.items():
         layers = [(n, m) for n, m in (component.named_modules() if hasattr(component, "named_modules") else [])
@@ -284,7 +287,8 @@ def print_trace(t):
         guidance = f" | {s['guidance']['ms']:.2f} ms guidance -> {fmt(s['guidance']['out'])}" if "guidance" in s else ""
         guidance = "".join(f" | {p[f'{name}_ms']:.2f} ms another pass (true CFG's negative prompt) -> "
                            f"{fmt(p[f'{name}_out'])}" for p in s.get("true_cfg_passes", [])) + guidance
-        print(f"  {s[f'{name}_ms']:>9.2f}  step {s['step']} t={s['t']}: {name}({given}) -> {fmt(s[f'{name}_out'])}"
+        expert = s.get("expert", name)  # (Wan 2.2 A14B: transformer or transformer_2)
+        print(f"  {s[f'{name}_ms']:>9.2f}  step {s['step']} t={s['t']}: {expert}({given}) -> {fmt(s[f'{name}_out'])}"
               f"{guidance} | {s['scheduler_ms']:.2f} ms scheduler.step -> {fmt(s['latents'])}")
     print(f"  {t['total_ms']:>9.2f}  total (wall time of the call)")
 

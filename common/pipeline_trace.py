@@ -79,10 +79,12 @@ class CallRecorder:
 
 
 # ---------------------------------------------------------------------------------------------- what it does
-def watch_denoiser(rec, unet, scheduler, trajectory_steps, name="unet"):
+def watch_denoiser(rec, unet, scheduler, trajectory_steps, name="unet", experts=None):
     """One 'denoise' stage per denoiser call: a forward hook on the denoiser (component `name`: its inputs and output
     are kept as <name>_in, <name>_out), a wrapped scheduler.step (and what ran between them: the guidance combine),
-    the timesteps (and a flow-matching scheduler's sigmas) from a wrapped set_timesteps; x0 kept at chosen steps."""
+    the timesteps (and a flow-matching scheduler's sigmas) from a wrapped set_timesteps; x0 kept at chosen steps.
+    `experts` ({component name: module}, Wan 2.2 A14B's transformer and transformer_2): each hooked, each step
+    records which one ran (`expert`)."""
     rec.step, rec.x0, rec.keep, rec.calls, rec.initial_noise = None, [], set(), 0, None
     # (a denoiser call before the scheduler has stepped on the last one is another pass of the same step)
     given, made, took = f"{name}_in", f"{name}_out", f"{name}_ms"
@@ -111,6 +113,8 @@ def watch_denoiser(rec, unet, scheduler, trajectory_steps, name="unet"):
         t = a[1] if len(a) > 1 else kw["timestep"]
         rec.step = {"stage": "denoise", "step": sum(s["stage"] == "denoise" for s in rec.stages),
                     "t": scalar(t.flatten()[0] if hasattr(t, "flatten") else t), given: inputs}
+        if experts:
+            rec.step["expert"] = next(key for key, value in experts.items() if value is module)
         rec.stages.append(rec.step)
         rec.unet_start = rec.clock()
 
@@ -149,7 +153,8 @@ def watch_denoiser(rec, unet, scheduler, trajectory_steps, name="unet"):
         shift = {"mu": round(float(kw["mu"]), 4)} if kw.get("mu") is not None else {}  # Flux: the shift by image size
         rec.add("scheduler.set_timesteps", ms, num_inference_steps=n, timesteps=timesteps, **sigmas, **shift)
 
-    rec.hook(unet, pre, post)
+    for module in (experts or {name: unet}).values():
+        rec.hook(module, pre, post)
     rec.wrap(scheduler, "step", on_step)
     rec.wrap(scheduler, "set_timesteps", on_set_timesteps)
 
@@ -198,7 +203,10 @@ def trace_sd(pipe, args, rec, generator, steps_kept):
 
     rec.wrap(pipe, "prepare_latents", on_prepare_latents)
     name = "unet" if hasattr(pipe, "unet") else "transformer"
-    watch_denoiser(rec, getattr(pipe, name), pipe.scheduler, steps_kept, name)
+    experts = None  # Wan 2.2 A14B: the expert of each step (transformer at t >= the boundary, transformer_2 below)
+    if getattr(pipe, "transformer_2", None) is not None:
+        experts = {"transformer": pipe.transformer, "transformer_2": pipe.transformer_2}
+    watch_denoiser(rec, getattr(pipe, name), pipe.scheduler, steps_kept, name, experts)
     vae = pipe.vae.config
     shift = f" + shift_factor {vae.shift_factor}" if vae.get("shift_factor") else ""
     scale = (f"latents / scaling_factor {vae.scaling_factor}{shift}" if vae.get("scaling_factor")

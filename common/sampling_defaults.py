@@ -150,12 +150,14 @@ def prompt_argument(pipeline, prompt):
     return literal(prompt) if first == "prompt" else f"prompt={literal(prompt)}"
 
 
-def pipeline_snippet(family, base, prompt, call, lora=None, swap=None, load=None, seed=0, references=()):
+def pipeline_snippet(family, base, prompt, call, lora=None, swap=None, load=None, seed=0, references=(),
+                     expert=None):
     """The model card's code: the family's pipeline from `base` (`load`: from_pretrained's other arguments, e.g.
     text_encoder_3=None), the sampler swap (scheduler_swap's), the LoRA folder, one call with `call` (call_kwargs')
     and a seeded generator, the image saved. What it draws is what `python sample.py --model <the model> --prompt
     <prompt> --seed <seed>` draws; with `references` (an edit LoRA's reference image files, which `call` names as
-    ReferenceCode), its edit pipeline, as sample.py --image draws."""
+    ReferenceCode), its edit pipeline, as sample.py --image draws; `expert`: a Wan 2.2 A14B LoRA's (low: loaded into
+    transformer_2; both: the low one's from its folder's low/ too)."""
     pipeline = family.EDIT_PIPELINE if references else family.PIPELINE
     imports = sorted({pipeline, *([swap[0]] if swap else [])})
     options = "".join(f", {key}={literal(value)}" for key, value in (load or {}).items())
@@ -168,7 +170,9 @@ def pipeline_snippet(family, base, prompt, call, lora=None, swap=None, load=None
         settings = "".join(f", {key}={literal(value)}" for key, value in swap[1].items())
         lines.append(f"pipe.scheduler = {swap[0]}.from_config(pipe.scheduler.config{settings})")
     if lora:
-        lines.append(f"pipe.load_lora_weights({literal(lora)})")
+        lines.append(f"pipe.load_lora_weights({literal(lora)}{', load_into_transformer_2=True' * (expert == 'low')})")
+        if expert == "both":
+            lines.append(f"pipe.load_lora_weights({literal(os.path.join(lora, 'low'))}, load_into_transformer_2=True)")
     lines += [f"{reference_name(i, references)} = load_image({literal(path)})" for i, path in enumerate(references)]
     video = getattr(family, "VIDEO", False)  # (WanPipeline's output: frames, PIL images with output_type="pil")
     head = "video = pipe(" if clip else "image = pipe("
@@ -234,4 +238,5 @@ def model_snippet(family, path, prompt, info, base=None, lora=None, unconditiona
         call["num_frames"] = defaults["num_frames"] or family.SAMPLE_FRAMES
     swap = scheduler_swap(family, base_scheduler(path, revision, cache_dir), info.get("prediction_type"))
     load = loading_options(family, revision, info.get("variant"), defaults["drop_t5"])
-    return pipeline_snippet(family, path, prompt, call, lora=lora, swap=swap, load=load, references=references)
+    return pipeline_snippet(family, path, prompt, call, lora=lora, swap=swap, load=load, references=references,
+                            expert=info.get("wan_expert"))

@@ -35,8 +35,9 @@ def encode_params(vae, pixels):
 
     one_frame = pixels.ndim == 4 and is_video_vae(vae.config)
     pixels = pixels[:, :, None] if one_frame else pixels.transpose(1, 2) if pixels.ndim == 5 else pixels
-    with torch.no_grad(), torch.autocast(vae.device.type, enabled=False):
-        params = vae.encode(pixels.to(vae.device, torch.float32)).latent_dist.parameters
+    device = vae.device  # (once: diffusers looks for offloading hooks in every submodule each time)
+    with torch.no_grad(), torch.autocast(device.type, enabled=False):
+        params = vae.encode(pixels.to(device, torch.float32)).latent_dist.parameters
     return params[:, :, 0] if one_frame else params
 
 

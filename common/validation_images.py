@@ -29,7 +29,11 @@ def validation_images(args, accelerator, family, parts, scheduler, step, sizes=N
     if accelerator.is_main_process:
         sampler = sampling_scheduler(args.validation_scheduler or family.SAMPLER, scheduler.config, family.SAMPLERS)
         pipeline = family.EDIT_PIPELINE if references else family.PIPELINE
+        parts = {**parts, **getattr(family, "expert_parts", dict)(parts)}  # (Wan A14B, both experts: each its own)
         pipe = getattr(diffusers, pipeline)(**parts, scheduler=sampler, **family.PIPELINE_EXTRAS)
+        frozen = [parts[name] for name in getattr(family, "FROZEN_EXPERTS", ())]  # (Wan A14B: the other expert)
+        for model in frozen:  # on the device while it draws only
+            model.requires_grad_(False).to(accelerator.device)
         pipe.set_progress_bar_config(disable=True)
         models = [model for model in parts.values() if isinstance(model, torch.nn.Module)]
         modes = [model.training for model in models]
@@ -76,6 +80,8 @@ def validation_images(args, accelerator, family, parts, scheduler, step, sizes=N
                 log_image(accelerator, f"validation/{p}{size}", grid, step)
         for model, mode in zip(models, modes):
             model.train(mode)
+        for model in frozen:
+            model.to("cpu")
     accelerator.wait_for_everyone()
     return paths
 

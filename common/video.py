@@ -18,8 +18,9 @@ MISSING_AV = ("reading and writing video files needs PyAV: `pip install av` (req
               "and WebP and folders of frames need nothing more")
 
 
-def add_video_args(group):
-    """--num_frames and --frame_stride (the video families' training clips)."""
+def add_video_args(group, experts=False):
+    """--num_frames and --frame_stride (the video families' training clips); `experts`: --wan_expert too (Wan 2.2
+    A14B's LoRAs)."""
     from .args import positive_int
 
     group.add_argument("--num_frames", type=positive_int, default=None,
@@ -28,6 +29,15 @@ def add_video_args(group):
                             "file.")
     group.add_argument("--frame_stride", type=positive_int, default=1,
                        help="With --num_frames: take every S-th frame of each video (2 halves its frame rate).")
+    if experts:
+        group.add_argument("--wan_expert", choices=["high", "low", "both"], default=None,
+                           help="Wan 2.2 A14B only (two experts): the LoRA of `high`, the `transformer` WanPipeline "
+                                "samples timesteps >= boundary_ratio x 1000 with, or of `low`, its `transformer_2` "
+                                "(below the boundary), trained on that expert's side of the boundary only; `both`: a "
+                                "LoRA on each, every sample through the expert of its timestep (the low one's saved "
+                                "in <output_dir>/low). Default: high, the expert diffusers' load_lora_weights loads a "
+                                "LoRA into (`low` loads with load_into_transformer_2=True), which lays out the clip's "
+                                "composition and motion.")
 
 
 def check_video_args(args, family, vae_config):
@@ -35,9 +45,19 @@ def check_video_args(args, family, vae_config):
     args.clip_frames, (frames, stride) of each training clip for a video family (None: images). vae_config() -> the
     base VAE's config (read only for --num_frames)."""
     args.clip_frames = (args.num_frames or 1, args.frame_stride) if getattr(family, "VIDEO", False) else None
-    if getattr(family, "VIDEO", False):
-        family.check_base(args.pretrained_model_name_or_path, getattr(args, "revision", None),
-                          getattr(args, "cache_dir", None))
+    if getattr(family, "VIDEO", False):  # (an A14B base's expert: args.wan_expert; None for one transformer)
+        expert = family.check_base(args.pretrained_model_name_or_path, getattr(args, "revision", None),
+                                   getattr(args, "cache_dir", None), getattr(args, "wan_expert", False))
+        if hasattr(args, "wan_expert"):
+            args.wan_expert = expert
+        if expert == "both":
+            for flag in ("blocks_to_swap", "quantize_base"):
+                if getattr(args, flag, None):
+                    raise UserError(f"--{flag} runs on one transformer: with --wan_expert both, train each expert "
+                                    "alone (--wan_expert high, then low)")
+    elif getattr(args, "wan_expert", None):
+        raise UserError(f"--wan_expert {args.wan_expert}: a {family.NAME} base has no experts (Wan 2.2 A14B has "
+                        "two); leave --wan_expert out")
     if args.num_frames is None:
         if args.frame_stride != 1:
             raise UserError("--frame_stride picks frames for --num_frames: give --num_frames too")

@@ -14,7 +14,9 @@ variance, as the real statistics make them.
 9 frames of 32 x 32 px -> 3 x 4 x 4 x 16 latents -> 12 tokens of 1 x 2 x 2 patches; a transformer 24 wide (2 heads of
 12, 2 blocks); a 2-layer UMT5 32 wide; 0.06 M parameters, 360 KB on disk. --variant ti2v: Wan 2.2 TI2V-5B's
 layout, a residual VAE of 48 channels that cuts frames into 2 x 2 patches first (16x fewer pixels a side: sides are
-multiples of 32) and the pipeline's per-token timesteps (expand_timesteps); 0.09 M parameters.
+multiples of 32) and the pipeline's per-token timesteps (expand_timesteps); 0.09 M parameters. --variant a14b: Wan 2.2
+A14B's layout, Wan 2.1's VAE and two experts of the same shape, `transformer` (high noise) and `transformer_2` (low
+noise, its own random weights), switched at boundary_ratio 0.875 as the real model's (t >= 875: `transformer`).
 
 Shape rules the configs keep: the transformer's text_dim = UMT5's d_model; in_channels = out_channels = the VAE's
 z_dim; an image side a multiple of 16 (the VAE's 8 x the patch's 2); a clip 4k + 1 frames.
@@ -40,11 +42,13 @@ TINY = {
                  relative_attention_max_distance=32, feed_forward_proj="gated-gelu"),
     "scheduler": dict(num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=False),
 }
+BOUNDARY_RATIO = 0.875  # Wan-AI/Wan2.2-T2V-A14B-Diffusers' model_index.json
 
 
 def build_tiny_wan(configs=TINY, seed=0, variant="t2v"):
     """-> WanPipeline with random weights (deterministic for a seed), its VAE's latents_mean and latents_std measured
-    on random clips; variant "ti2v": Wan 2.2 TI2V-5B's VAE and per-token timesteps."""
+    on random clips; variant "ti2v": Wan 2.2 TI2V-5B's VAE and per-token timesteps; "a14b": Wan 2.2 A14B's two
+    experts and boundary_ratio."""
     import torch
     from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanPipeline, WanTransformer3DModel
     from transformers import UMT5Config, UMT5EncoderModel
@@ -66,8 +70,11 @@ def build_tiny_wan(configs=TINY, seed=0, variant="t2v"):
     channels = TI2V["transformer_channels"] if ti2v else configs["transformer"]["in_channels"]
     transformer = WanTransformer3DModel(**{**configs["transformer"], "in_channels": channels, "out_channels": channels})
     scheduler = FlowMatchEulerDiscreteScheduler(**configs["scheduler"])
+    experts = {}
+    if variant == "a14b":
+        experts = dict(transformer_2=WanTransformer3DModel(**configs["transformer"]), boundary_ratio=BOUNDARY_RATIO)
     return WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, transformer=transformer,
-                       scheduler=scheduler, expand_timesteps=ti2v)
+                       scheduler=scheduler, expand_timesteps=ti2v, **experts)
 
 
 def write_tiny_wan(output_dir, seed=0, variant="t2v"):
@@ -91,8 +98,9 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--output_dir", default="models/tiny-wan", help="The pipeline folder to write.")
     parser.add_argument("--seed", type=int, default=0, help="The seed of the random weights.")
-    parser.add_argument("--variant", choices=["t2v", "ti2v"], default="t2v",
-                        help="t2v: Wan 2.1's layout; ti2v: Wan 2.2 TI2V-5B's (its VAE, per-token timesteps).")
+    parser.add_argument("--variant", choices=["t2v", "ti2v", "a14b"], default="t2v",
+                        help="t2v: Wan 2.1's layout; ti2v: Wan 2.2 TI2V-5B's (its VAE, per-token timesteps); a14b: "
+                             "Wan 2.2 A14B's (two experts, boundary_ratio 0.875).")
     args = parser.parse_args()
     n = write_tiny_wan(args.output_dir, args.seed, args.variant)
     print(f"wrote a random-init tiny Wan pipeline ({n / 1e6:.2f} M parameters) to {args.output_dir}")

@@ -245,6 +245,17 @@ def tiny_wan(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_wan_a14b(tmp_path_factory):
+    """The tiny random-init Wan 2.2 A14B pipeline (two experts, boundary_ratio 0.875) of demo/tiny_wan.py --variant
+    a14b, built once per test session."""
+    from demo.tiny_wan import write_tiny_wan
+
+    path = tmp_path_factory.mktemp("models") / "tiny-wan-a14b"
+    write_tiny_wan(str(path), variant="a14b")
+    return path
+
+
+@pytest.fixture(scope="session")
 def tiny_flux2_klein(tmp_path_factory):
     """The tiny random-init FLUX.2 klein pipeline of `make tiny-flux2-klein`, built once per test session."""
     from demo.tiny_flux2 import write_tiny_flux2_klein

@@ -106,6 +106,46 @@ def test_loader_carves_a_validation_split_from_train(digits):
     assert (len(no_test), len(validation), test) == (1293, 144, None)
 
 
+def test_an_imagefolder_read_over_folders_listed_once_is_the_same_dataset(tmp_path):
+    """load_image_dataset lists each folder once while datasets resolves an imagefolder's split patterns: the same
+    splits, rows and order as without, far fewer listings, and fsspec as it was afterwards."""
+    import datasets
+    from fsspec.implementations.local import LocalFileSystem
+
+    from common.image_data import folders_listed_once
+
+    root = tmp_path / "folder"
+    for split, count in (("train", 3), ("test", 2)):
+        (root / split / "sub").mkdir(parents=True)
+        with open(root / split / "metadata.jsonl", "w") as f:
+            for i in range(count):
+                name = f"{'sub/' * (i % 2)}{i}.png"
+                Image.new("RGB", (8, 8), (i, 0, 0)).save(root / split / name)
+                f.write(json.dumps({"file_name": name, "text": f"{split} {i}"}) + "\n")
+    Image.new("RGB", (8, 8)).save(root / "train" / ".hidden.png")
+    ls, calls = LocalFileSystem.ls, []
+
+    def counted(self, path, *args, **kwargs):
+        calls.append(path)
+        return ls(self, path, *args, **kwargs)
+
+    def load(cache):
+        loaded = datasets.load_dataset("imagefolder", data_dir=str(root), cache_dir=str(tmp_path / cache))
+        return {split: (ds.cast_column("image", datasets.Image(decode=False))["image"], ds["text"])
+                for split, ds in loaded.items()}
+
+    LocalFileSystem.ls = counted
+    try:
+        plain, listed = load("a"), len(calls)
+        with folders_listed_once():
+            once = load("b")
+    finally:
+        LocalFileSystem.ls = ls
+    assert once == plain and set(plain) == {"train", "test"} and len(plain["train"][1]) == 3
+    assert len(calls) - listed < listed / 4  # (each folder listed once, not once a pattern)
+    assert LocalFileSystem.ls is ls
+
+
 def test_label_ids_map_names_of_classlabel_and_plain_columns():
     # The bug this pins: a ClassLabel column's ints were looked up as names. Its ints index the ClassLabel's names.
     import datasets
@@ -473,6 +513,60 @@ def test_idle_frozen_models_are_what_the_caches_leave_unused():
     assert idle_frozen_models(cache_latents=True, text_cached=False, validation_prompts=[]) == ["vae"]  # trained TE
     # validation images decode through the VAE; their prompts are cached with the others
     assert idle_frozen_models(cache_latents=True, text_cached=True, validation_prompts=["a cat"]) == ["text_encoders"]
+
+
+def test_a_lazy_latent_cache_encodes_only_what_batches_ask_for_and_equals_the_eager_one(tmp_path):
+    """CachedLatents(lazy=True): a chunk's view is encoded (in the same call as the eager cache encodes it, so bit for
+    bit the same, whatever the batches' order) when a batch first asks for one of its images; once all are, the
+    decoded images go. On the CPU, and where the VAE stays on the device anyway, --cache_latents is lazy."""
+    import datasets
+
+    from common.base_models import lazy_latent_cache
+    from common.image_data import CachedLatents
+
+    rng = np.random.default_rng(0)
+    paths, sizes = [], []
+    for i in range(6):
+        h, w = (16, 24) if i % 3 else (16, 16)
+        paths.append(str(tmp_path / f"{i}.png"))
+        Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(paths[-1])
+        sizes.append((h, w))
+    ds = datasets.Dataset.from_dict({"image": paths}).cast_column("image", datasets.Image())
+    calls = []
+
+    def encode(x):  # each output depends on the whole call: another chunking would show
+        calls.append(len(x))
+        return torch.cat([x[:, :, ::4, ::4], x[:, :, ::4, ::4]], dim=1) + x.mean()
+
+    for buckets, flip in itertools.product((None, sizes), (False, True)):
+        def data():
+            return ImageDataset(ds, "image", 16, center_crop=True, random_flip=flip, seed=3, sizes=buckets,
+                                masks="ones", references=[[{"path": p, "bytes": None}] for p in paths])
+
+        eager, lazy = CachedLatents(data(), encode, 2), CachedLatents(data(), encode, 2, lazy=True)
+        views = 2 if flip else 1
+        calls.clear()
+        for epoch, indices in enumerate(([4], [5, 1], [2, 4, 1], [0, 3], [3, 0], [5, 4, 2, 1])):  # (one size each)
+            for cache in (eager, lazy):
+                cache.set_epoch(epoch)
+            got, expected = lazy.__getitems__(indices), eager.__getitems__(indices)
+            if epoch == 0:
+                assert len(calls) == 2 and lazy.images.cache is not None  # one view of one chunk: image and reference
+            assert got.keys() == expected.keys() == {"index", "latent_params", "mask", "reference_latents"}
+            for key in got:
+                assert torch.equal(got[key], expected[key]), key
+            assert all(torch.equal(lazy[i][key], eager[i][key]) for i in indices for key in ("latent_params", "mask"))
+        assert len(calls) == 2 * (len(eager.chunks) * views - len(lazy.todo))
+        assert (lazy.images.cache is None) == (not lazy.todo)
+        lazy.fill((i, v) for i in range(6) for v in range(views))  # the rest: then all of it equals the eager cache
+        assert not lazy.todo and lazy.images.cache is None and len(calls) == 2 * len(eager.chunks) * views
+        for name in ("params", "masks", "references"):
+            assert all(torch.equal(a, b) for a, b in zip(getattr(lazy, name), getattr(eager, name))), name
+    args = Namespace(dataloader_num_workers=0, cache_latents=True, validation_prompt=None)
+    assert lazy_latent_cache(args, torch.device("cpu"))
+    assert not lazy_latent_cache(args, torch.device("cuda"))  # the VAE leaves the GPU once the cache is made
+    assert lazy_latent_cache(Namespace(**{**vars(args), "validation_prompt": ["a cat"]}), torch.device("cuda"))
+    assert not lazy_latent_cache(Namespace(**{**vars(args), "dataloader_num_workers": 2}), torch.device("cpu"))
 
 
 def test_cudnn_attention_stays_off_unless_asked_for():

@@ -2,7 +2,8 @@
 digits written as mp4, animated GIF and folders of frames (demo/moving_digits.py): train_lora.py with --num_frames and
 --frame_stride, its files read back by WanPipeline.load_lora_weights (the UI file under ComfyUI's native Wan names
 too), an exact resume, the validation clip, sample.py's clips against WanPipeline's frames, and the one-line errors of
-clips that do not fit. (Wan on images, one frame each, is one family of tests/test_lora_flow.py.)"""
+clips that do not fit; Wan 2.2 A14B's experts (--wan_expert high, low, both) on its tiny two-expert build. (Wan on
+images, one frame each, is one family of tests/test_lora_flow.py.)"""
 import json
 import shutil
 import sys
@@ -10,7 +11,7 @@ import sys
 import numpy as np
 import pytest
 import torch
-from conftest import ROOT, assert_one_line_error, launch, read_results, run_script
+from conftest import ROOT, assert_one_line_error, launch, read_results, run_in_process, run_script
 from PIL import Image
 from safetensors.torch import load_file
 
@@ -44,13 +45,13 @@ def trained(tiny_wan, clips, tmp_path_factory):
     return tiny_wan, clips, out
 
 
-def transformer_output(pipe):
-    """The transformer's output on a fixed clip of latents [2, 16, 2, 4, 4] and prompt."""
+def transformer_output(pipe, name="transformer"):
+    """The transformer's (or expert `name`'s) output on a fixed clip of latents [2, 16, 2, 4, 4] and prompt."""
     family = family_module("wan")
     x = torch.randn(2, 16, 2, 4, 4, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         cond = family.encode_prompts(pipe.components, family.tokenize(pipe.components, [PROMPT] * 2, 40))
-        return family.denoise(pipe.transformer, x, torch.tensor([100.0, 700.0]), cond)
+        return family.denoise(getattr(pipe, name), x, torch.tensor([100.0, 700.0]), cond)
 
 
 def test_a_video_lora_loads_back_exactly_in_diffusers_and_under_comfyuis_names(trained):
@@ -188,6 +189,7 @@ def test_a_bad_clip_stops_train_lora_in_one_line_with_nothing_written(tiny_wan, 
     (["--num_frames", "5", "--resolution", "40"], ["--resolution 40", "16", "32 or 48"]),
     (["--train_text_encoder"], ["--train_text_encoder", "not offered"]),
     (["--guidance_scale", "3"], ["--guidance_scale", "means nothing for a Wan base"]),
+    (["--wan_expert", "low"], ["--wan_expert low", "has one transformer", "leave --wan_expert out"]),
 ])
 def test_flags_that_do_not_fit_a_video_base_are_one_line(tiny_wan, clips, flags, needles, tmp_path):
     proc = run_script("train_lora.py", "--train_data_dir", clips, "--pretrained_model_name_or_path", tiny_wan,
@@ -284,10 +286,10 @@ def test_a_datasets_video_column_trains_as_clips(clips):
     assert data[0]["pixel_values"].shape == (5, 3, 32, 32)
 
 
-@pytest.mark.parametrize("kind, needles", [
-    ("a14b", ["is Wan 2.2 A14B", "boundary_ratio 0.875", "not trained here yet"]),
-    ("i2v", ["names the pipeline class 'WanImageToVideoPipeline'", "WanPipeline"])])
-def test_wan_bases_not_trained_yet_are_one_line(tiny_wan, clips, kind, needles, tmp_path):
+@pytest.mark.parametrize("kind, script, needles", [
+    ("a14b", "train_text_to_image.py", ["is Wan 2.2 A14B", "boundary_ratio 0.875", "train_lora.py --wan_expert"]),
+    ("i2v", "train_lora.py", ["names the pipeline class 'WanImageToVideoPipeline'", "WanPipeline"])])
+def test_wan_bases_not_trained_yet_are_one_line(tiny_wan, clips, kind, script, needles, tmp_path):
     base = tmp_path / kind
     shutil.copytree(tiny_wan, base)
     index = json.loads((base / "model_index.json").read_text())
@@ -297,7 +299,7 @@ def test_wan_bases_not_trained_yet_are_one_line(tiny_wan, clips, kind, needles, 
     else:
         index["_class_name"] = "WanImageToVideoPipeline"
     (base / "model_index.json").write_text(json.dumps(index))
-    proc = run_script("train_lora.py", "--train_data_dir", clips, "--pretrained_model_name_or_path", base,
+    proc = run_script(script, "--train_data_dir", clips, "--pretrained_model_name_or_path", base,
                       "--output_dir", tmp_path / "out")
     assert_one_line_error(proc, *needles)
 
@@ -312,3 +314,130 @@ def test_the_video_loras_card_draws_its_clip(trained, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     exec(compile(code.replace("num_inference_steps=50", "num_inference_steps=2"), "card", "exec"), {})
     assert Image.open(tmp_path / "sample.gif").n_frames == 5
+
+
+# Wan 2.2 A14B: a LoRA of one expert (transformer: t >= 875, transformer_2: below) or of both, on the tiny A14B build
+EXPERTS = {"high": "transformer", "low": "transformer_2"}
+EXPERT_STEPS = [*STEPS[:3], "2", *STEPS[4:], "--validation_prompt", PROMPT, "--validation_steps", "2",
+                "--num_validation_images", "1", "--validation_inference_steps", "2"]
+
+
+# (high alone runs the code of low alone with the other expert's name; both covers its file and default loading)
+@pytest.fixture(scope="module", params=["low", "both"])
+def expert_run(request, tiny_wan_a14b, clips, tmp_path_factory):
+    out = tmp_path_factory.mktemp(f"lora-wan-{request.param}") / "run"
+    both = request.param == "both"  # in two processes: a step may leave an expert unused on a process, or on both
+    launch("train_lora.py", "--train_data_dir", clips, "--pretrained_model_name_or_path", tiny_wan_a14b,
+           "--output_dir", out, "--wan_expert", request.param, *EXPERT_STEPS,
+           config="cpu_2proc.yaml" if both else "cpu.yaml")
+    return request.param, tiny_wan_a14b, out
+
+
+def load_expert_loras(pipe, out, expert, weights="pytorch_lora_weights.safetensors"):
+    """As diffusers documents Wan 2.2's LoRAs: the high expert's by default, the low one's load_into_transformer_2."""
+    if expert in ("high", "both"):
+        pipe.load_lora_weights(out, weight_name=weights)
+    if expert in ("low", "both"):
+        pipe.load_lora_weights(out / "low" if expert == "both" else out, weight_name=weights,
+                               load_into_transformer_2=True)
+
+
+def test_an_a14b_experts_lora_loads_into_that_expert_with_wanpipelines_loader_and_samples_there(expert_run, tmp_path):
+    """Each expert's LoRA, read back as diffusers documents it (high: load_lora_weights, low: with
+    load_into_transformer_2=True; both: the two, the low one's from low/), and the UI files, give the trained experts
+    within 1e-5 and leave an untrained expert alone; sample.py draws WanPipeline's frames with them (within 1 level)."""
+    from diffusers import WanPipeline
+    from peft import LoraConfig
+    from peft.utils import set_peft_model_state_dict
+
+    from common.lora_adapters import expand_targets
+
+    expert, base, out = expert_run
+    names = list(EXPERTS.values()) if expert == "both" else [EXPERTS[expert]]
+    assert json.loads((out / "lora_info.json").read_text())["wan_expert"] == expert
+    step = read_results(out)["global_step"]
+    assert read_results(out)["num_processes"] == (2 if expert == "both" else 1)
+    checkpoint = out / f"checkpoint-{step}" / ("transformer" if expert == "both" else names[0])
+    assert [p.name for p in checkpoint.parent.iterdir() if p.name.startswith("transformer")] == [checkpoint.name]
+    adapter = load_file(checkpoint / "adapter_model.safetensors")  # (both: one denoiser, its experts' prefixes)
+    reference, base_pipe = WanPipeline.from_pretrained(base), WanPipeline.from_pretrained(base)
+    expected = {}
+    for name in EXPERTS.values():
+        model = getattr(reference, name)
+        if name in names:
+            model.add_adapter(LoraConfig(r=4, lora_alpha=8, init_lora_weights="gaussian", target_modules=expand_targets(
+                model, family_module("wan").LORA_TARGETS.split(","))))
+            state = {k.removeprefix(name + "."): v for k, v in adapter.items() if k.startswith(name + ".")}
+            set_peft_model_state_dict(model, state if expert == "both" else adapter)
+        expected[name] = transformer_output(reference, name)
+        if name in names:  # it learned
+            assert (transformer_output(base_pipe, name) - expected[name]).abs().max() > 1e-4, name
+    for weights in ("pytorch_lora_weights.safetensors", "pytorch_lora_weights_ui.safetensors"):
+        pipe = WanPipeline.from_pretrained(base)
+        load_expert_loras(pipe, out, expert, weights)
+        for name in EXPERTS.values():
+            assert (transformer_output(pipe, name) - expected[name]).abs().max() < 1e-5, (weights, name)
+    pipe = WanPipeline.from_pretrained(base)
+    load_expert_loras(pipe, out, expert)
+    # seed 0, Euler at shift 3, two steps: t = 1000 (the high expert), 750 (the low one)
+    frames = pipe(prompt=PROMPT, num_frames=5, height=32, width=32, num_inference_steps=2, guidance_scale=5.0,
+                  max_sequence_length=40, output_type="np", generator=torch.Generator().manual_seed(0)).frames[0]
+    assert Image.open(out / "samples" / f"step-{step}" / "0-0.gif").n_frames == 5  # the validation clip
+    run_in_process("sample.py", "--model", out, "--prompt", PROMPT, "--num_images", "1", "--num_inference_steps", "2",
+                   "--output_dir", tmp_path / "samples")
+    grid = np.asarray(Image.open(tmp_path / "samples" / "grid.png").convert("RGB")).astype(int)
+    assert np.abs(grid - np.concatenate(list((frames * 255).round().astype(int)), axis=1)).max() <= 1
+    card = (out / "README.md").read_text()
+    assert ("load_into_transformer_2=True" in card) == (expert != "high")
+    if expert == "both":  # inspect_pipeline.py: both LoRAs, and the expert of each step
+        sys.path.insert(0, str(ROOT))
+        import inspect_pipeline
+
+        flags = ["--trace", "--json", "--height", "32", "--width", "32", "--num_inference_steps", "2",
+                 "--guidance_scale", "1", "--num_frames", "1"]
+        report = inspect_pipeline.main(inspect_pipeline.parse_args([str(out), *flags]))
+        steps = [(s["t"], s["expert"]) for s in report["trace"]["stages"] if s["stage"] == "denoise"]
+        assert [expert for _, expert in steps] == ["transformer", "transformer_2"] and steps[1][0] < 875
+
+
+def test_an_a14b_expert_trains_on_its_side_of_the_boundary_only(tiny_wan_a14b):
+    """Training timesteps: t >= 875 (boundary_ratio 0.875 x 1000) for the high expert, below for the low one; the
+    held-out loss's fixed points too; the two sides cover the schedule."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    from common.families import load_family
+    from common.objectives import FlowMatching
+
+    scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(tiny_wan_a14b, subfolder="scheduler")
+    sides = {}
+    for expert in ("high", "low"):
+        family = load_family(str(tiny_wan_a14b), "--pretrained_model_name_or_path", expert=expert)
+        assert family.DENOISER == EXPERTS[expert] and family.PIPELINE_EXTRAS == {"boundary_ratio": 0.875}
+        objective = FlowMatching(scheduler, "logit_normal", timestep_range=family.TIMESTEP_RANGE)
+        torch.manual_seed(0)
+        drawn = torch.cat([objective(torch.zeros(64, 16, 2, 4, 4)).timesteps for _ in range(4)])
+        fixed = objective.timesteps[objective.fixed_timesteps([0.0, 0.5, 0.999])]
+        sides[expert] = objective.count
+        for t in (drawn, fixed):
+            assert bool((t >= 875).all()) if expert == "high" else bool((t < 875).all())
+    assert sides["high"] + sides["low"] == 1000 and 0 < sides["high"] < 1000
+
+
+@pytest.mark.parametrize("family, flags, message", [
+    ("wan", {}, None),  # no --wan_expert on A14B: high
+    ("wan", {"wan_expert": "both", "blocks_to_swap": 1}, "--blocks_to_swap runs on one transformer"),
+    ("wan", {"wan_expert": "both", "quantize_base": "fp8"}, "--quantize_base runs on one transformer"),
+    ("sd", {"wan_expert": "low"}, "--wan_expert low: a Stable Diffusion .* base has no experts")])
+def test_wan_expert_defaults_to_high_and_what_it_cannot_take_is_one_line(tiny_wan_a14b, family, flags, message):
+    import argparse
+
+    from common.video import check_video_args
+
+    args = argparse.Namespace(pretrained_model_name_or_path=str(tiny_wan_a14b), num_frames=None, frame_stride=1,
+                              **{"wan_expert": None, "blocks_to_swap": None, "quantize_base": None, **flags})
+    if message:
+        with pytest.raises(UserError, match=message):
+            check_video_args(args, family_module(family), None)
+    else:
+        check_video_args(args, family_module(family), None)
+        assert args.wan_expert == "high"

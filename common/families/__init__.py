@@ -90,9 +90,13 @@ def family_module(name):
             from None
 
 
-def load_family(path, flag, revision=None, cache_dir=None, uses="train_lora.py trains"):
-    """family_module(family_of(...)): the module of the base at `path`."""
-    return family_module(family_of(path, flag, revision, cache_dir, uses))
+def load_family(path, flag, revision=None, cache_dir=None, uses="train_lora.py trains", expert=False):
+    """family_module(family_of(...)): the module of the base at `path`; `expert`: where the script trains a LoRA of
+    an expert (Wan 2.2 A14B), --wan_expert's value (None: not given), and the result is the family as it trains that
+    expert (the module's expert_family; itself for a base with one denoiser)."""
+    module = family_module(family_of(path, flag, revision, cache_dir, uses))
+    pick = getattr(module, "expert_family", None)
+    return pick(path, expert, revision, cache_dir) if pick and expert is not False else module
 
 
 def known_families():

@@ -11,7 +11,9 @@ Latents are [B, C, F, h, w] for clips and [B, C, h, w] for images, which train a
 drops that frame axis, common/vae.py; `denoise` here does the same for the transformer). LoRA on UMT5 is not offered.
 TI2V-5B's VAE cuts 2 x 2 patches first (48 channels, scale_factor_spatial 16) and its pipeline gives the transformer
 one timestep per token (expand_timesteps), all equal without a first frame: the same as one per clip. Wan 2.2 A14B
-(two experts switched at a boundary timestep) is refused until its experts train (check_base).
+has two experts switched at a boundary timestep (`transformer` at t >= boundary_ratio x 1000, `transformer_2` below):
+train_lora.py --wan_expert trains a LoRA of one of them on its side of the boundary, or of both, each sample through
+its timestep's expert (expert_family, experts_model).
 """
 from ..cli import UserError
 from ..diffusion import FLOW_SCHEDULER_CLASSES
@@ -114,16 +116,115 @@ def check_frames(num_frames, vae_config, flag="--num_frames"):
                         f"is {factor}); give {lower} or {lower + factor}")
 
 
-def check_base(path, revision=None, cache_dir=None):
-    """One line for a Wan 2.2 A14B base (two experts, `transformer_2` below the boundary timestep), which the recipes
-    do not train yet: a LoRA of its first expert alone, over every timestep, would be wrong for both."""
+EXPERTS = {"high": "transformer", "low": "transformer_2"}  # --wan_expert -> the A14B expert it trains
+LOW_FOLDER = "low"  # --wan_expert both: the low expert's LoRA folder inside the output folder
+DEFAULT_EXPERT = "high"  # the expert diffusers' load_lora_weights loads into without load_into_transformer_2
+
+
+def boundary_ratio(path, revision=None, cache_dir=None):
+    """A Wan 2.2 A14B base's boundary_ratio (its model_index.json; two experts: `transformer` at timesteps >= ratio x
+    num_train_timesteps, `transformer_2` below), None for a base with one expert."""
     from . import read_model_index
 
     index = read_model_index(path, "--pretrained_model_name_or_path", revision, cache_dir)
-    if (index.get("transformer_2") or [None])[0] is not None or index.get("boundary_ratio") is not None:
+    if (index.get("transformer_2") or [None])[0] is None and index.get("boundary_ratio") is None:
+        return None
+    return index.get("boundary_ratio")
+
+
+def check_base(path, revision=None, cache_dir=None, expert=False):
+    """-> the expert to train (None for a base with one expert): `expert` is --wan_expert's value (None: not given,
+    then DEFAULT_EXPERT for A14B), False where the script trains no expert (train_text_to_image.py). One line for
+    --wan_expert on a base with one expert, or an A14B base where experts do not train."""
+    ratio = boundary_ratio(path, revision, cache_dir)
+    if ratio is None:
+        if expert:
+            raise UserError(f"--wan_expert {expert}: '{path}' has one transformer (Wan 2.1, Wan 2.2 TI2V-5B), no "
+                            "experts to choose from (Wan 2.2 A14B has two); leave --wan_expert out")
+        return None
+    if expert is False:
         raise UserError(f"--pretrained_model_name_or_path '{path}' is Wan 2.2 A14B (two experts: transformer above "
-                        f"the boundary timestep, transformer_2 below it, boundary_ratio {index.get('boundary_ratio')}),"
-                        " whose experts are not trained here yet; give Wan 2.1 or Wan 2.2 TI2V-5B")
+                        f"the boundary timestep, transformer_2 below it, boundary_ratio {ratio}), whose experts are "
+                        "trained by train_lora.py --wan_expert only; give Wan 2.1 or Wan 2.2 TI2V-5B")
+    return expert or DEFAULT_EXPERT
+
+
+def expert_family(path, expert, revision=None, cache_dir=None):
+    """This module for a base with one transformer (`expert` None); else the family as it trains `expert` (None:
+    DEFAULT_EXPERT) of a Wan 2.2 A14B base: its pipeline holds both experts and the boundary_ratio; the denoiser is
+    the chosen expert (the other stays frozen, off the device between validations), its training timesteps on its side
+    of the boundary (TIMESTEP_RANGE: t >= boundary for `high`, below it for `low`); the LoRA file keeps diffusers'
+    `transformer.` names, which `load_lora_weights(..., load_into_transformer_2=True)` loads into the low expert.
+    `both`: one denoiser of the two (experts_model), saved as two LoRA folders (split_experts)."""
+    import sys
+    import types
+
+    module = sys.modules[__name__]
+    expert = check_base(path, revision, cache_dir, expert)
+    if expert is None:
+        return module
+    ratio = boundary_ratio(path, revision, cache_dir)
+    view = types.SimpleNamespace(**{k: v for k, v in vars(module).items() if not k.startswith("__")})
+    view.COMPONENTS = {**COMPONENTS, "transformer_2": COMPONENTS["transformer"]}
+    view.EXPERT = expert
+    view.PIPELINE_EXTRAS = {"boundary_ratio": ratio}
+    view.base_metadata = lambda config, prediction_type: {  # musubi-tuner's name for A14B, the expert in ModelSpec's
+        "ss_base_model_version": "wan2.2_t2v_a14b", "modelspec.architecture": f"wan2.2-t2v-a14b/lora-{expert}"}
+    if expert == "both":  # one denoiser of both experts (Experts), each with its LoRA, saved as two LoRA folders
+        view.combine_experts = lambda parts: {**parts, "transformer": experts_model(
+            parts["transformer"], parts.pop("transformer_2"), ratio * parts["scheduler"].config.num_train_timesteps)}
+        view.expert_parts = lambda parts: {"transformer": parts["transformer"].transformer,
+                                           "transformer_2": parts["transformer"].transformer_2}
+        view.split_experts = lambda models: [
+            ("", expert_family(path, "high", revision, cache_dir), {"transformer": models["transformer"].transformer}),
+            (LOW_FOLDER, expert_family(path, "low", revision, cache_dir),
+             {"transformer_2": models["transformer"].transformer_2})]
+        return view
+    view.DENOISER = EXPERTS[expert]
+    view.FROZEN_EXPERTS = tuple(name for name in EXPERTS.values() if name != view.DENOISER)
+    # the training timesteps, in units of num_train_timesteps: [low, high)
+    view.TIMESTEP_RANGE = (ratio, float("inf")) if expert == "high" else (float("-inf"), ratio)
+    view.LORA_FILE_DENOISER = "transformer"  # WanPipeline.save_lora_weights' only name; the loader picks the expert
+    view.ui_lora = lambda states, alpha, config: named_lora(states[view.DENOISER], alpha, ui_name, DIFFUSERS_SUFFIXES)
+    return view
+
+
+def experts_model(transformer, transformer_2, boundary):
+    """Wan 2.2 A14B's two experts as one denoiser (--wan_expert both): each sample of a batch goes to the expert
+    WanPipeline would use at its timestep (`transformer` at t >= boundary, `transformer_2` below); a LoRA on each
+    (add_adapter: the same config on both), the pair's adapters in one checkpoint (peft_config: the first's)."""
+    import torch
+
+    class Experts(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.transformer, self.transformer_2, self.boundary = transformer, transformer_2, boundary
+
+        config = property(lambda self: self.transformer.config)
+        peft_config = property(lambda self: self.transformer.peft_config)
+        dtype = property(lambda self: self.transformer.dtype)
+
+        def add_adapter(self, config):
+            import copy
+
+            self.transformer.add_adapter(config)
+            self.transformer_2.add_adapter(copy.deepcopy(config))
+
+        def enable_gradient_checkpointing(self):
+            self.transformer.enable_gradient_checkpointing()
+            self.transformer_2.enable_gradient_checkpointing()
+
+        def forward(self, hidden_states, timestep, encoder_hidden_states, return_dict=False, **kwargs):
+            high = timestep >= self.boundary
+            out = torch.empty_like(hidden_states)
+            for expert, rows in ((self.transformer, high), (self.transformer_2, ~high)):
+                if rows.any():  # (the other expert's LoRA gets no gradient this step: DDP finds it unused)
+                    out[rows] = expert(hidden_states=hidden_states[rows], timestep=timestep[rows],
+                                       encoder_hidden_states=encoder_hidden_states[rows], return_dict=False,
+                                       **kwargs)[0].to(out.dtype)
+            return (out,)
+
+    return Experts()
 
 
 def latent_frames(num_frames, vae_config):

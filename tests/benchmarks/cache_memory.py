@@ -39,7 +39,8 @@ def run(data, out, args, extra):
                MALLOC_MMAP_THRESHOLD_="33554432", MALLOC_TRIM_THRESHOLD_="268435456")  # as the Makefile on a CPU
     cmd = [sys.executable, str(ROOT / "train_lora.py"), "--train_data_dir", str(data), "--output_dir", str(out),
            "--resolution", str(args.resolution), "--train_batch_size", str(args.train_batch_size),
-           "--max_train_samples", str(args.samples), "--max_train_steps", "2", "--report_to", "none", *extra]
+           "--max_train_samples", str(args.samples), "--max_train_steps", "2", "--report_to", "none",
+           "--dataloader_num_workers", "1", *extra]  # (a worker: the cache is made before training, as on a GPU)
     marks, tail = {}, []
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     for line in proc.stderr:

@@ -1,130 +1,28 @@
 """`make bench`'s Qwen-Image row: train_lora.py against diffusers' own train_dreambooth_lora_qwen_image.py on the tiny
-random-init Qwen-Image (models/tiny-qwen-image, `make tiny-qwen-image`), with the same settings (rank and alpha,
-targets: both scripts' defaults, steps, batch, learning rate, resolution, seed, prompt length, cached latents), each a
-whole `accelerate launch` on the CPU, timed from start to exit, interleaved (the VAE encodes the latent cache 8
-images a call in both); then both LoRAs' held-out loss on the
-red-ink digits' test split at the same fixed noise and sigmas (common/validation_loss.py), as flux_peer.py does for
-Flux.1. The peer runs unchanged (its check_min_version passes the pinned diffusers) through peer_run.py, whose
-torchvision stand-in gives it the PIL transforms it calls.
+random-init Qwen-Image (models/tiny-qwen-image, `make tiny-qwen-image`), as peer_bench.py runs every row: the same
+settings (rank and alpha, targets: both scripts' defaults, steps, batch, learning rate, resolution, seed, prompt
+length, cached latents), each a whole `accelerate launch` on the CPU, timed from start to exit, interleaved (the VAE
+encodes the latent cache 8 images a call in both); then both LoRAs' held-out loss. The peer runs unchanged (its
+check_min_version passes the pinned diffusers); flux_peer.py's `fetch` copies it.
 
-    python tests/benchmarks/flux_peer.py fetch --diffusers_repo PATH   # copies this peer too
-    python tests/benchmarks/qwen_image_peer.py [--repeats 3]          # -> outputs/bench/qwen_image_peer.json, a row
+    python tests/benchmarks/qwen_image_peer.py run [--repeats 3] [--steps N]   # -> outputs/bench/qwen_image_peer.json
 """
-import argparse
-import json
 import os
-import statistics
-import subprocess
 import sys
-import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(os.path.dirname(HERE))
-sys.path.insert(0, HERE)
-from flux_peer import PEERS, TARGET, environment  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from peer_bench import Row, main  # noqa: E402
 
-PEER = "train_dreambooth_lora_qwen_image.py"
-BASE, DATA = "models/tiny-qwen-image", "data/digits-red-ink"
 SAME = {"--resolution": "32", "--train_batch_size": "8", "--max_train_steps": "600", "--learning_rate": "1e-3",
         "--rank": "4", "--lora_alpha": "4", "--seed": "0", "--max_sequence_length": "64",
         "--lr_scheduler": "constant", "--lr_warmup_steps": "0", "--checkpointing_steps": "100000",
         "--adam_weight_decay": "1e-4", "--max_grad_norm": "1.0", "--mixed_precision": "no"}
-
-
-def commands(out):
-    same = [x for pair in SAME.items() for x in pair]
-    launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-              os.path.join(ROOT, "accelerate_configs", "cpu.yaml"), "--num_cpu_threads_per_process", "1"]
-    # (ours encodes the cache 8 images a call, as the peer does with its batches: its own default is a quarter batch,
-    # for the memory of full-resolution images, and the 3-D VAE's calls cost much more than their images here)
-    ours = [*launch, os.path.join(ROOT, "train_lora.py"), "--pretrained_model_name_or_path", BASE, "--train_data_dir",
-            DATA, *same, "--cache_latents", "--vae_encode_batch_size", SAME["--train_batch_size"], "--report_to",
-            "tensorboard", "--output_dir", os.path.join(out, "ours")]
-    peer = [*launch, os.path.join(HERE, "peer_run.py"), os.path.join(PEERS, PEER), "--pretrained_model_name_or_path",
-            BASE, "--dataset_name", DATA, "--caption_column", "text", "--instance_prompt", "a handwritten digit",
-            *same, "--cache_latents", "--report_to", "tensorboard", "--output_dir", os.path.join(out, "peer")]
-    return {"ours": ours, "peer": peer}
-
-
-def held_out_losses(folders):
-    """{name: held-out loss} of the base (None) and each LoRA folder, on the first 64 test images of the red-ink
-    digits with their captions, at one set of fixed noise and sigmas; each LoRA through load_lora_weights."""
-    import argparse as ap
-
-    import torch
-    from accelerate import Accelerator
-    from diffusers import QwenImagePipeline
-
-    from common.families import qwen_image
-    from common.image_data import Captions, image_datasets, load_image_dataset
-    from common.objectives import FlowMatching
-    from common.prompts import Conditioning
-    from common.vae import encode_params
-    from common.validation_loss import HeldOutLoss
-
-    torch.set_num_threads(2)
-    args = ap.Namespace(dataset_name=None, dataset_config_name=None, train_data_dir=DATA, cache_dir=None,
-                        image_column="image", caption_column="text", eval_split="test", max_train_samples=None,
-                        resolution=32, center_crop=True, random_flip=False, seed=0, caption_prefix="",
-                        caption_dropout_prob=0.0)
-    _, test = load_image_dataset(args)
-    test = test.select(range(64))
-    captions = Captions(args, test, test)
-    _, held_out = image_datasets(args, test, test)
-    results = {}
-    for name, folder in folders.items():
-        pipe = QwenImagePipeline.from_pretrained(BASE)
-        if folder:
-            pipe.load_lora_weights(folder)
-        objective = FlowMatching(pipe.scheduler.__class__.from_config(pipe.scheduler.config))
-        condition = Conditioning(qwen_image, pipe.components, captions.prompts, int(SAME["--max_sequence_length"]),
-                                 "cpu")
-        loss = HeldOutLoss(held_out, lambda x, vae=pipe.vae: encode_params(vae, x), qwen_image.latent_config(pipe.vae),
-                           list(range(len(held_out))), objective, Accelerator(cpu=True), 0, 32)
-        results[name] = loss(pipe.transformer,
-                             lambda x, t, cond, m=pipe.transformer: qwen_image.denoise(m, x, t, cond),
-                             lambda ids: condition(captions.held_out_ids[ids]))
-    return results
-
-
-def run(args):
-    missing = [path for path in (os.path.join(PEERS, PEER), os.path.join(ROOT, BASE, "model_index.json"),
-                                 os.path.join(ROOT, DATA, "train", "metadata.jsonl")) if not os.path.isfile(path)]
-    if missing:
-        sys.exit(f"qwen_image_peer: missing {missing[0]}: `make bench-peers DIFFUSERS_REPO=...` copies diffusers' "
-                 "script, `make tiny-qwen-image data` builds the base and the data")
-    out = os.path.join(ROOT, "outputs", "bench", "qwen_image_peer")
-    times = {"ours": [], "peer": []}
-    for repeat in range(args.repeats):
-        for name, cmd in commands(out).items():  # interleaved, each a fresh process
-            start = time.perf_counter()
-            proc = subprocess.run(cmd, cwd=ROOT, env=environment(), capture_output=True, text=True)
-            if proc.returncode:
-                sys.exit(f"qwen_image_peer: {name} failed:\n{proc.stderr[-3000:]}")
-            times[name].append(round(time.perf_counter() - start, 2))
-            print(f"repeat {repeat + 1}: {name} {times[name][-1]} s", flush=True)
-    losses = held_out_losses({"base": None, "ours": os.path.join(out, "ours"), "peer": os.path.join(out, "peer")})
-    median = {name: statistics.median(values) for name, values in times.items()}
-    result = {"settings": SAME, "steps": int(SAME["--max_train_steps"]), "seconds": times, "median_s": median,
-              "speedup": round(median["peer"] / median["ours"], 3), "target_speedup": TARGET,
-              "held_out_loss": losses, "commands": {k: " ".join(v) for k, v in commands(out).items()},
-              "peer_source": json.load(open(os.path.join(PEERS, "SOURCE.json")))
-              if os.path.isfile(os.path.join(PEERS, "SOURCE.json")) else None}
-    with open(os.path.join(ROOT, "outputs", "bench", "qwen_image_peer.json"), "w") as f:
-        json.dump(result, f, indent=2)
-    print(f"| Qwen-Image LoRA, tiny, {SAME['--max_train_steps']} steps | train_lora.py {median['ours']} s | "
-          f"diffusers {median['peer']} s | {result['speedup']}x (target {TARGET}x) | held-out loss: base "
-          f"{losses['base']:.4f}, ours {losses['ours']:.4f}, diffusers' {losses['peer']:.4f} |")
-    return result
-
-
-def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--repeats", type=int, default=3)
-    args = parser.parse_args(argv)
-    sys.path.insert(0, ROOT)
-    run(args)
-
+# ours encodes the cache 8 images a call, as the peer does with its batches: its own default is a quarter batch, for
+# the memory of full-resolution images, and the 3-D VAE's calls cost much more than their images here
+ROW = Row(name="qwen_image_peer", title="Qwen-Image LoRA", peer="train_dreambooth_lora_qwen_image.py",
+          base="models/tiny-qwen-image", pipeline="QwenImagePipeline", family="qwen_image", same=SAME,
+          ours=["--vae_encode_batch_size", SAME["--train_batch_size"]], family_latents=True,
+          make="make tiny-qwen-image data")
 
 if __name__ == "__main__":
-    main()
+    main(ROW, __doc__)

@@ -94,3 +94,11 @@ class Normalize:
         mean = torch.tensor(self.mean, dtype=tensor.dtype).view(-1, 1, 1)
         std = torch.tensor(self.std, dtype=tensor.dtype).view(-1, 1, 1)
         return (tensor - mean) / std
+
+
+class Lambda:
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __call__(self, x):
+        return self.fn(x)
