@@ -280,10 +280,12 @@ inspect: $(if $(MODEL),install,$(TINY_SD))
 lint: install
 	$(PY) -m ruff check .
 
-# Two test processes (pytest-xdist), one test module each at a time: most tests run one single-threaded subprocess.
+# Two test processes (pytest-xdist), one test module each at a time (tests/conftest.py's scheduler), each on one
+# thread, as the single-threaded subprocesses that most tests run: on 2 cores, more threads only spin against each other.
 TEST_WORKERS ?= 2
 test: lint
-	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup tests $(ARGS)
+	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup \
+	  tests $(ARGS)
 
 # Each recipe against a hand-written reference loop, --help latency, sample.py images/s (tests/benchmarks/):
 # one table, and outputs/bench/results.json; then the SD, Flux.1, Qwen-Image, FLUX.2 klein, Z-Image and FLUX.1 Kontext
