@@ -4,7 +4,7 @@ and drawn clips written as video files and animated previews.
 A training folder holds clips beside images, each with its same-name caption: `walk.mp4` + `walk.txt`, `wave.gif` +
 `wave.txt`, or a folder of frames `jump/` (its image files in name order) + `jump.txt`. With --num_frames N, a clip
 trains on N frames, `--frame_stride` S apart, from its first (N must suit the VAE: Wan's takes 4k + 1); an image is a
-clip of one frame. Video files are decoded with PyAV (`pip install av`, requirements-extras.txt: FFmpeg's decoders
+clip of one frame. Video files are decoded with PyAV (`pip install av`, in requirements.txt: FFmpeg's decoders
 in one wheel, maintained, and imageio's own video plugin is PyAV too); animated GIF and WebP and folders of frames
 need only Pillow (common/image_data.py reads them all). Every file that cannot be read, or has too few frames, is one
 line naming it (clips are never skipped).
@@ -14,7 +14,7 @@ import os
 from .cli import UserError
 
 FPS = 16  # Wan 2.1's frame rate: what drawn clips are written at
-MISSING_AV = ("reading and writing video files needs PyAV: `pip install av` (requirements-extras.txt); animated GIF "
+MISSING_AV = ("reading and writing video files needs PyAV: `pip install av` (in requirements.txt); animated GIF "
               "and WebP and folders of frames need nothing more")
 
 
