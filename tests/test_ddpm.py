@@ -5,7 +5,16 @@ import sys
 
 import pytest
 import torch
-from conftest import ROOT, assert_one_line_error, launch, logged_losses, read_results, run_script, signal_when_ready
+from conftest import (
+    ROOT,
+    assert_one_line_error,
+    launch,
+    logged_losses,
+    read_results,
+    run_in_process,
+    run_script,
+    signal_when_ready,
+)
 from safetensors.torch import load_file
 
 # 48 images in batches of 8 with accumulation 2: 3 optimizer steps per epoch, so checkpoint-4 is mid-epoch.
@@ -105,10 +114,9 @@ def test_sample_py_is_deterministic_and_records_its_parameters(trained, tmp_path
     args = ["--model", trained / "checkpoint-8", "--class_label", "3", "--class_label", "all", "--num_images", "2",
             "--guidance_scale", "3", "--num_inference_steps", "3", "--batch_size", "8"]
     runs = []
-    for name in ("a", "b", "raw"):
+    for name in ("a", "b", "raw"):  # (in this process: the same command twice across processes is test_reliability's)
         extra = ["--no_ema"] if name == "raw" else []
-        proc = run_script("sample.py", *args, *extra, "--output_dir", tmp_path / name)
-        assert proc.returncode == 0, proc.stderr[-3000:]
+        run_in_process("sample.py", *args, *extra, "--output_dir", tmp_path / name)
         runs.append({p.name: p.read_bytes() for p in (tmp_path / name).glob("*.png")})
     assert len(runs[0]) == 22 + 1 and runs[0] == runs[1]  # (1 + 10 classes) x 2 images, and grid.png
     assert runs[2]["0000.png"] != runs[0]["0000.png"]  # --no_ema: the raw weights draw other pixels
