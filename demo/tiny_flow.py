@@ -24,6 +24,8 @@ pooled_projection_dim = the CLIP hidden size (Flux) or the sum of both CLIP proj
 caption_projection_dim = its width (heads x head dim), T5's d_model >= the two CLIP hidden sizes together (the
 pipeline pads the CLIP states to T5's width), pos_embed_max_size >= latent size / patch size.
 """
+import os
+import shutil
 import string
 
 from demo.tiny_sd import SD15, SDXL, byte_level_vocab, clip_config
@@ -84,6 +86,21 @@ def tiny_configs(pipeline):
 
 CONFIGS = {"tiny-sd3": lambda: tiny_configs("sd3"), "tiny-flux": lambda: tiny_configs("flux"),
            "sd3": lambda: SD3_MEDIUM, "flux": lambda: FLUX_DEV}
+
+
+def save_tiny_pipeline(pipe, output_dir, card):
+    """Save `pipe` with `card` (markdown, after a title of the folder's name) as its README.md; the folder appears under
+    its final name only when complete. -> the number of parameters."""
+    output_dir = output_dir.rstrip("/")
+    tmp = output_dir + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    pipe.save_pretrained(tmp, safe_serialization=True)
+    with open(os.path.join(tmp, "README.md"), "w") as f:
+        f.write(f"# {os.path.basename(output_dir)}\n\n{card}")
+    if os.path.exists(output_dir):
+        shutil.rmtree(output_dir)
+    os.replace(tmp, output_dir)
+    return sum(p.numel() for m in pipe.components.values() if hasattr(m, "parameters") for p in m.parameters())
 
 
 def t5_tokenizer(model_max_length=512):

@@ -25,8 +25,6 @@ VAE's z_dim and its out_channels = z_dim; joint_attention_dim = the text model's
 attention_head_dim; the text model's mrope_section sums to half its head size.
 """
 import argparse
-import os
-import shutil
 
 # Qwen/Qwen-Image's scheduler/scheduler_config.json.
 QWEN_IMAGE_SCHEDULER = dict(num_train_timesteps=1000, shift=1.0, use_dynamic_shifting=True, base_shift=0.5,
@@ -129,19 +127,14 @@ def build_tiny_qwen_image(configs=TINY, seed=0):
 
 def write_tiny_qwen_image(output_dir, seed=0):
     """Build and save; the folder appears under its final name only when complete. -> the number of parameters."""
+    from demo.tiny_flow import save_tiny_pipeline
+
     pipe = build_tiny_qwen_image(seed=seed)
-    output_dir = output_dir.rstrip("/")
-    tmp = output_dir + ".tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    pipe.save_pretrained(tmp, safe_serialization=True)
-    with open(os.path.join(tmp, "README.md"), "w") as f:
-        f.write(f"# {os.path.basename(output_dir)}\n\nA **random-init** Qwen-Image pipeline (QwenImagePipeline) "
-                "written by `python -m demo.tiny_qwen_image`, for offline runs and tests. It draws noise, not "
-                "pictures; it trains and samples at 32 px (give --resolution 32, --height 32 --width 32).\n")
-    if os.path.exists(output_dir):
-        shutil.rmtree(output_dir)
-    os.replace(tmp, output_dir)
-    return sum(p.numel() for m in pipe.components.values() if hasattr(m, "parameters") for p in m.parameters())
+    card = (
+        "A **random-init** Qwen-Image pipeline (QwenImagePipeline) written by `python -m demo.tiny_qwen_image`, for "
+        "offline runs and tests. It draws noise, not pictures; it trains and samples at 32 px (give --resolution 32, "
+        "--height 32 --width 32).\n")
+    return save_tiny_pipeline(pipe, output_dir, card)
 
 
 if __name__ == "__main__":

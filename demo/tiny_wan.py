@@ -22,8 +22,6 @@ Shape rules the configs keep: the transformer's text_dim = UMT5's d_model; in_ch
 z_dim; an image side a multiple of 16 (the VAE's 8 x the patch's 2); a clip 4k + 1 frames.
 """
 import argparse
-import os
-import shutil
 
 # Wan 2.2 TI2V-5B's layout (diffusers' tests/pipelines/wan/test_wan_22.py, Wan225B): a residual VAE that cuts frames
 # into 2 x 2 patches first (48 channels, 16x fewer pixels a side), the pipeline's per-token timesteps (expand_timesteps)
@@ -79,19 +77,14 @@ def build_tiny_wan(configs=TINY, seed=0, variant="t2v"):
 
 def write_tiny_wan(output_dir, seed=0, variant="t2v"):
     """Build and save; the folder appears under its final name only when complete. -> the number of parameters."""
+    from demo.tiny_flow import save_tiny_pipeline
+
     pipe = build_tiny_wan(seed=seed, variant=variant)
-    output_dir = output_dir.rstrip("/")
-    tmp = output_dir + ".tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    pipe.save_pretrained(tmp, safe_serialization=True)
-    with open(os.path.join(tmp, "README.md"), "w") as f:
-        f.write(f"# {os.path.basename(output_dir)}\n\nA **random-init** Wan text-to-video pipeline written by "
-                "`python -m demo.tiny_wan`, for offline runs, tests and benchmarks. It produces noise, not videos.\n\n"
-                "```python\nvideo = pipe(prompt=prompt, height=32, width=32, num_frames=9).frames[0]\n```\n")
-    if os.path.exists(output_dir):
-        shutil.rmtree(output_dir)
-    os.replace(tmp, output_dir)
-    return sum(p.numel() for m in pipe.components.values() if hasattr(m, "parameters") for p in m.parameters())
+    card = (
+        "A **random-init** Wan text-to-video pipeline written by `python -m demo.tiny_wan`, for offline runs, tests "
+        "and benchmarks. It produces noise, not videos.\n\n```python\nvideo = pipe(prompt=prompt, height=32, "
+        "width=32, num_frames=9).frames[0]\n```\n")
+    return save_tiny_pipeline(pipe, output_dir, card)
 
 
 if __name__ == "__main__":

@@ -21,8 +21,6 @@ encoder's hidden_size; in_channels = the VAE's latent channels; dim / n_heads = 
 prompt length rounded up to 32, plus 1 (the image's first position follows the prompt's).
 """
 import argparse
-import os
-import shutil
 
 # Qwen3's chat template, the part a user message and the generation prompt use.
 CHAT_TEMPLATE = (
@@ -89,19 +87,13 @@ def build_tiny_z_image(configs=TINY, seed=0):
 
 def write_tiny_z_image(output_dir, seed=0):
     """Build and save; the folder appears under its final name only when complete. -> the number of parameters."""
+    from demo.tiny_flow import save_tiny_pipeline
+
     pipe = build_tiny_z_image(seed=seed)
-    output_dir = output_dir.rstrip("/")
-    tmp = output_dir + ".tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    pipe.save_pretrained(tmp, safe_serialization=True)
-    with open(os.path.join(tmp, "README.md"), "w") as f:
-        f.write(f"# {os.path.basename(output_dir)}\n\nA **random-init** Z-Image pipeline written by "
-                "`python -m demo.tiny_z_image`, for offline runs, tests and benchmarks. It produces noise, not "
-                "pictures.\n")
-    if os.path.exists(output_dir):
-        shutil.rmtree(output_dir)
-    os.replace(tmp, output_dir)
-    return sum(p.numel() for m in pipe.components.values() if hasattr(m, "parameters") for p in m.parameters())
+    card = (
+        "A **random-init** Z-Image pipeline written by `python -m demo.tiny_z_image`, for offline runs, tests and "
+        "benchmarks. It produces noise, not pictures.\n")
+    return save_tiny_pipeline(pipe, output_dir, card)
 
 
 if __name__ == "__main__":
