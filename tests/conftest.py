@@ -305,13 +305,56 @@ def xdist_scope(nodeid):
     return module
 
 
+# Each scope's seconds in the last whole run (setup, call and teardown of its tests): the scheduler hands out the
+# longest first, so that no long module starts last while the other worker idles. A run of the whole suite writes
+# them to .pytest_cache (read first); tests/scope_seconds.json holds a fresh clone's (copy the cache's file over it
+# when modules change much). A scope in neither counts 2 s a test.
+SCOPE_SECONDS = "scope_seconds.json"
+
+
+def scope_seconds(config):
+    for path in (Path(config.cache.mkdir("scopes")) / SCOPE_SECONDS, Path(__file__).parent / SCOPE_SECONDS):
+        if path.is_file():
+            return json.loads(path.read_text())
+    return {}
+
+
 def pytest_xdist_make_scheduler(config, log):
     if config.getvalue("dist") != "loadgroup":
         return None
     from xdist.scheduler import LoadScopeScheduling
 
-    class ModuleOrFamilyScheduling(LoadScopeScheduling):
+    seconds = scope_seconds(config)
+
+    class LongestScopeFirst(LoadScopeScheduling):
         def _split_scope(self, nodeid):
             return xdist_scope(nodeid)
 
-    return ModuleOrFamilyScheduling(config, log)
+        def _assign_work_unit(self, node):
+            if not getattr(self, "ordered", False):
+                cost = {scope: seconds.get(scope, 2.0 * len(tests)) for scope, tests in self.workqueue.items()}
+                for scope in sorted(cost, key=cost.get, reverse=True):
+                    self.workqueue.move_to_end(scope)
+                self.ordered = True
+            super()._assign_work_unit(node)
+
+    config.pluginmanager.register(ScopeClock(config), "scope-clock")
+    return LongestScopeFirst(config, log)
+
+
+class ScopeClock:
+    """Sums each scope's seconds as the workers report them; a run that collected every test writes them (see
+    SCOPE_SECONDS)."""
+
+    def __init__(self, config):
+        self.config, self.seconds = config, {}
+
+    def pytest_runtest_logreport(self, report):
+        scope = xdist_scope(report.nodeid)
+        self.seconds[scope] = round(self.seconds.get(scope, 0.0) + report.duration, 1)
+
+    def pytest_sessionfinish(self, session):
+        whole = not self.config.args or [Path(a).resolve() for a in self.config.args] == [Path(__file__).parent]
+        if whole and not self.config.getoption("keyword") and self.seconds:
+            path = Path(self.config.cache.mkdir("scopes")) / SCOPE_SECONDS
+            path.write_text(json.dumps(dict(sorted(self.seconds.items(), key=lambda kv: -kv[1])), indent=0) + "\n")
