@@ -319,12 +319,9 @@ def scope_seconds(config):
     return {}
 
 
-def pytest_xdist_make_scheduler(config, log):
-    if config.getvalue("dist") != "loadgroup":
-        return None
+def longest_scope_first(config, log, seconds):
+    """pytest-xdist's LoadScopeScheduling over xdist_scope's scopes, handing out the one of most `seconds` first."""
     from xdist.scheduler import LoadScopeScheduling
-
-    seconds = scope_seconds(config)
 
     class LongestScopeFirst(LoadScopeScheduling):
         def _split_scope(self, nodeid):
@@ -338,8 +335,14 @@ def pytest_xdist_make_scheduler(config, log):
                 self.ordered = True
             super()._assign_work_unit(node)
 
-    config.pluginmanager.register(ScopeClock(config), "scope-clock")
     return LongestScopeFirst(config, log)
+
+
+def pytest_xdist_make_scheduler(config, log):
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    config.pluginmanager.register(ScopeClock(config), "scope-clock")
+    return longest_scope_first(config, log, scope_seconds(config))
 
 
 class ScopeClock:
