@@ -353,8 +353,53 @@ def last_line(log):
 # ---- one training run ----------------------------------------------------------------------------------------
 
 
+def clips_folder(cfg, piece):
+    """Where a video piece's clips are (`clips`: {count, frames, width, height})."""
+    c = piece["clips"]
+    return os.path.join(at_root(cfg["work"]), f"clips-{c['count']}x{c['frames']}f-{c['width']}x{c['height']}")
+
+
+def ensure_clips(cfg, piece):
+    """A video piece's clips, written when missing: `count` moving digits (demo/moving_digits.py's digit_clip, a
+    digit of half the frame's height drifting left a pixel a frame), `frames` frames of `width` x `height` px (the
+    square clip in the middle of a black frame), each a folder of PNG frames with its same-name .txt caption ("a
+    handwritten digit 3 moving left"): Pillow reads them, where video files would need PyAV on the GPU machine. The
+    scripts resize them to the piece's size. -> the folder."""
+    folder = clips_folder(cfg, piece)
+    if os.path.isdir(folder):
+        return folder
+    import numpy as np
+    from PIL import Image
+    from sklearn.datasets import load_digits
+
+    from demo.moving_digits import digit_clip
+
+    c = piece["clips"]
+    digits = load_digits()
+    rng = np.random.default_rng(0)
+    tmp = folder + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    for i, index in enumerate(rng.choice(len(digits.images), c["count"], replace=False)):
+        name = os.path.join(tmp, f"{i:04d}")
+        os.makedirs(name)
+        square = digit_clip(digits.images[index], c["frames"], c["height"], "left",
+                            top=int(rng.integers(2, c["height"] // 2 - 1)))
+        for t, frame in enumerate(square):
+            canvas = Image.new("RGB", (c["width"], c["height"]))
+            canvas.paste(frame, ((c["width"] - c["height"]) // 2, 0))
+            canvas.save(os.path.join(name, f"{t:03d}.png"))
+        with open(f"{name}.txt", "w") as f:
+            f.write(f"a handwritten digit {digits.target[index]} moving left\n")
+    os.replace(tmp, folder)
+    print(f"wrote {c['count']} clips of {c['frames']} frames, {c['width']}x{c['height']}, to {rel(folder)}", flush=True)
+    return folder
+
+
 def piece_data(cfg, piece):
-    """The piece's image folder: the data, or (`data_images`) a folder of its first N training images."""
+    """The piece's image folder: the data, (`data_images`) a folder of its first N training images, or (`clips`) its
+    clips' folder (ensure_clips)."""
+    if "clips" in piece:
+        return clips_folder(cfg, piece)
     data = at_root(cfg["data"])
     n = piece.get("data_images")
     if not n:
@@ -851,6 +896,8 @@ def run_pieces(args):
             continue
         print(f"{pid}: {piece['title']}", flush=True)
         piece_start = time.time()
+        if "clips" in piece:
+            ensure_clips(cfg, piece)
         deadline = piece_start + piece.get("limit_s", cfg["max_piece_s"])
         flops = None
         if piece.get("mfu") and device.type == "cuda":
