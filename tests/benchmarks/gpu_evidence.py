@@ -286,16 +286,40 @@ def ensure_data(cfg):
     return path
 
 
-def free_room_for(cfg, name, keep):
-    """Room for model `name` beside it: the other built models that no pending piece needs go first."""
+def host_available():
+    """The host memory free for a run (/proc/meminfo's MemAvailable: files in RAM, /dev/shm's, count as used), in
+    bytes; None where there is no /proc/meminfo."""
+    try:
+        with open("/proc/meminfo") as f:
+            fields = dict(line.split(":", 1) for line in f)
+        return int(fields["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return None
+
+
+def free_room_for(cfg, name, keep, there=False):
+    """Room for model `name` beside it (`there`: it is built), and (`host_gb`: what its runs take in host memory
+    besides its files in RAM) room in the host memory: the other built models that no pending piece needs go first."""
     path = model_path(cfg, name)
-    need = cfg["models"][name].get("memory_gb", 0) * 1e9
+    need = 0 if there else cfg["models"][name].get("memory_gb", 0) * 1e9
+    host = cfg["models"][name].get("host_gb", 0) * 1e9
+    in_ram = path.startswith(at_root(cfg["models_dir"]))
+
+    def short():
+        available = host_available() if host else None
+        return shutil.disk_usage(os.path.dirname(path)).free < need or \
+            available is not None and available < host + need * in_ram
+
     for other, model in cfg["models"].items():
-        if shutil.disk_usage(os.path.dirname(path)).free >= need:
+        if not short():
             break
         if other != name and other not in keep and "architecture" in model and built(cfg, other):
             shutil.rmtree(model_path(cfg, other))
             print(f"removed the model {other} for room: no pending piece needs it", flush=True)
+    available = host_available() if host else None
+    if available is not None and available < host + need * in_ram:  # (the runs may still fit: said, not refused)
+        print(f"the model {name}'s runs take about {(host + need * in_ram) / 1e9:.0f} GB of host memory with its "
+              f"files, {available / 1e9:.0f} GB is available", flush=True)
     free = shutil.disk_usage(os.path.dirname(path)).free
     return None if free >= need else \
         f"the model {name} needs about {need / 1e9:.0f} GB in {os.path.dirname(path)}, {free / 1e9:.0f} free"
@@ -306,6 +330,8 @@ def ensure_model(cfg, name, device, keep, timeout):
     not, in one line, None). A build draws every weight at once on the device, in bf16 (demo/tiny_sd.py --fast)."""
     model = cfg["models"][name]
     if built(cfg, name):
+        if model.get("host_gb"):
+            free_room_for(cfg, name, keep, there=True)
         return None, None
     if "architecture" not in model:
         return f"the model {name} is not at {model_path(cfg, name)} (workloads.toml [gpu_evidence.models])", None
@@ -1005,6 +1031,8 @@ def preflight(args):
     wheels = ", ".join(f"{n} {w['version']}" for n, w in sorted((pack or {}).get("wheels", {}).items()))
     have = ", ".join(f"{n} {installed_version(n)}" for n in ("torch", "accelerate", "transformers", "peft"))
     print(f"preflight: {'the pack fits (' + wheels + ')' if pack else 'no pack here'}; this machine: {have}")
+    pieces = [f"{pid} ({cfg['pieces'][pid]['model']}, ~{cfg['pieces'][pid]['estimate_s']} s)" for pid in cfg["order"]]
+    print(f"the pieces in order (model, time without its build): {', '.join(pieces) or 'none'}")
     return 0
 
 
