@@ -15,7 +15,9 @@ run is compared only with runs of the same call on the same GPU.
 The pieces and their settings are workloads.toml's [gpu_evidence] tables: a. SD 1.5 against diffusers'
 train_text_to_image_lora.py, eager, then compiled; b. FLUX.1-dev's architecture at 1024 px in bf16, bf16 + block swap,
 nf4 + block swap, fp8 + block swap against diffusers' QLoRA script; c. SDXL, the optimizers, DeepSpeed and FSDP on one
-GPU; e. SD3. The models are the real architectures with random weights, built on the GPU in bf16 with every weight
+GPU; e. SD3; f. Wan 2.1 1.3B and Wan 2.2 A14B (one expert) on moving-digit clips at 480x832, 33 (and 81) frames,
+in bf16, bf16 + block swap, fp8 + block swap (the clips written when missing, folders of frames). The models are the
+real architectures with random weights, built on the GPU in bf16 with every weight
 drawn at once (`python -m demo.tiny_sd --fast`: seconds) into RAM (/dev/shm), never written to disk. Each training run
 is launched as users launch it (`accelerate launch --config_file ...`) through peak_memory.py, which measures our
 scripts and diffusers' the same way; steady-state steps/s comes from the run's progress bar (make bench's timing), the
