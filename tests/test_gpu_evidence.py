@@ -371,9 +371,13 @@ def test_a_wan_piece_writes_its_clips_and_trains_one_expert_in_fp8_with_block_sw
     """A Wan piece at a tiny scale on the CPU, as the real f-wan-a14b runs: the A14B layout of
     demo/wan_architectures.py's builder (transformer_2 a link to transformer), the clips written by the driver (folders
     of frames, 2:1, upscaled to their bucket), --wan_expert high with fp8 and block swap."""
+    from safetensors import safe_open
+
     base = wan_builds["wan22-a14b"]
     assert (base / "transformer_2").is_symlink() and os.readlink(base / "transformer_2") == "transformer"
     assert json.loads((base / "model_index.json").read_text())["boundary_ratio"] == 0.875
+    with safe_open(str(base / "text_encoder" / "model.safetensors"), "pt") as f:  # UMT5's one embedding table
+        assert [k for k in f.keys() if "embed_tokens" in k or "shared" in k] == ["shared.weight"]
     (tmp_path / "images" / "train").mkdir(parents=True)  # (the image pieces' data: none here)
     (tmp_path / "images" / "train" / "metadata.jsonl").write_text("")
     cfg = tmp_path / "workloads.toml"
