@@ -324,7 +324,7 @@ def test_the_wan_pieces_commands_parse_and_take_480x832_clips(tmp_path, wan_buil
     """Each run of the Wan pieces (workloads.toml), as the driver launches it, parses in train_lora.py (every flag is
     one it has; the base a tiny build of the same layout in place of the real one), swaps at most the real model's
     blocks, trains on the frames the piece's clips have, and its --resolution's bucket for the clips' aspect is 480x832;
-    the real models' parameter counts are the published ones (built on the meta device)."""
+    the real models' parameter counts, built from the published configs on the meta device, are pinned."""
     import gpu_evidence
     from PIL import Image
 
