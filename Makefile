@@ -335,7 +335,7 @@ bench-gpu-sdxl:
 # On a GPU: the docs' GPU claims, by one device command of at most 9 minutes (tests/benchmarks/gpu_evidence.py; the
 # pieces are workloads.toml's [gpu_evidence], in value order: a SD 1.5 against diffusers' script, eager then
 # compiled; b FLUX.1-dev's memory modes against diffusers' QLoRA script; c SDXL, the optimizers, DeepSpeed/FSDP on one
-# GPU; e SD3). Each piece's result goes to tests/benchmarks/results/gpu-evidence/<piece>.json and the piece is skipped
+# GPU; e SD3; f Wan 2.1 1.3B and Wan 2.2 A14B on clips). Each piece's result goes to tests/benchmarks/results/gpu-evidence/<piece>.json and the piece is skipped
 # while it is there. PIECES=a-eager,c-engines  BUDGET=510 (start no piece that would not end within that many
 # seconds, stop at its end)  ARGS=--rerun. It installs nothing (a GPU machine may have no network): `make
 # gpu-evidence-pack` on a machine with one brings what is missing, and the preflight (`make gpu-evidence-preflight`,

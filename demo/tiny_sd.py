@@ -22,6 +22,9 @@ a 2-level UNet with SDXL's block layout (no attention at the top level), the tin
 (StableDiffusion3Pipeline, FluxPipeline; transformer, 16-channel VAE, CLIP and T5 encoders, flow-matching scheduler),
 tiny (32 px, about 5 MB) or at the real sizes of SD3 Medium (transformer 2.0 G parameters) and Flux.1-dev (11.9 G), in
 bfloat16; see demo/tiny_flow.py.
+--architecture wan21-1.3b, wan22-a14b: Wan 2.1 T2V 1.3B and Wan 2.2 T2V A14B (WanPipeline; UMT5-XXL, Wan 2.1's VAE;
+A14B's two experts, the second a link to the first's files), at their real sizes in bfloat16, for GPU benchmarks; see
+demo/wan_architectures.py (the tiny Wan bases: demo/tiny_wan.py).
 """
 import argparse
 import json
@@ -239,8 +242,10 @@ WHAT = {"tiny": "tiny Stable Diffusion", "sd15": "Stable Diffusion 1.5 architect
         "sd2": "Stable Diffusion 2.1 architecture", "tiny-sdxl": "tiny Stable Diffusion XL",
         "sdxl": "Stable Diffusion XL architecture",
         "tiny-sd3": "tiny Stable Diffusion 3", "sd3": "Stable Diffusion 3 Medium architecture",
-        "tiny-flux": "tiny Flux.1", "flux": "Flux.1-dev architecture"}
+        "tiny-flux": "tiny Flux.1", "flux": "Flux.1-dev architecture",
+        "wan21-1.3b": "Wan 2.1 T2V 1.3B architecture", "wan22-a14b": "Wan 2.2 T2V A14B architecture"}
 FLOW = ("tiny-sd3", "tiny-flux", "sd3", "flux")  # the flow-matching transformers: demo/tiny_flow.py
+WAN = ("wan21-1.3b", "wan22-a14b")  # the video transformers at their real sizes: demo/wan_architectures.py
 
 
 def write_tiny_sd(output_dir, architecture="tiny", seed=0, device="cpu", fast=False, **kwargs):
@@ -249,6 +254,10 @@ def write_tiny_sd(output_dir, architecture="tiny", seed=0, device="cpu", fast=Fa
     building fast matters and a weight's exact init does not."""
     import torch
 
+    if architecture in WAN:
+        from demo.wan_architectures import write_random_wan
+
+        return write_random_wan(output_dir, architecture, seed, device, fast)
     if architecture in FLOW:
         from demo.tiny_flow import CONFIGS, build_random_flow, shift_and_scale_vae
 

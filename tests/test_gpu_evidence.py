@@ -7,12 +7,14 @@ keeps its finished runs, and runs again), and one line for a missing peer script
 machine without CUDA. The prompt embeddings file of diffusers' Flux QLoRA script, from the tiny Flux.1. `pack`'s
 offline parts: the peer scripts from the nearest tag, bitsandbytes stripped."""
 import json
+import os
 import shutil
 import subprocess
 import sys
 import time
 import zipfile
 
+import pytest
 from conftest import ROOT, assert_one_line_error, offline_env
 
 DRIVER = str(ROOT / "tests" / "benchmarks" / "gpu_evidence.py")
@@ -298,3 +300,130 @@ def test_pack_keeps_bitsandbytes_cpu_and_device_cuda_libraries_only(tmp_path):
         record = z.read("bitsandbytes-0.50.2.dist-info/RECORD").decode()
     assert kept == sorted(names[:3] + ["bitsandbytes-0.50.2.dist-info/RECORD"])
     assert [line.split(",")[0] for line in record.splitlines()] == names[:3]
+
+
+WAN_PIECES = ("f-wan", "f-wan-a14b", "f-wan-81", "f-wan-a14b-noswap")
+
+
+@pytest.fixture(scope="module")
+def wan_builds(tmp_path_factory):
+    """demo/wan_architectures.py's two layouts (Wan 2.1 T2V, Wan 2.2 A14B: transformer_2 a link to transformer) at
+    demo/tiny_wan.py's sizes, through the fast build (every weight drawn at once) and the save the GPU pieces use."""
+    from demo.tiny_wan import TINY
+    from demo.wan_architectures import CONFIGS, write_random_wan
+
+    folder = tmp_path_factory.mktemp("wan-builds")
+    for arch, configs in CONFIGS.items():
+        tiny = {**configs, "vae": TINY["vae"], "transformer": TINY["transformer"],
+                "text": dict(TINY["text"], vocab_size=256)}
+        write_random_wan(str(folder / arch), arch, fast=True, configs=tiny)
+    return {arch: folder / arch for arch in CONFIGS}
+
+
+def test_the_wan_pieces_commands_parse_and_take_480x832_clips(tmp_path, wan_builds):
+    """Each run of the Wan pieces (workloads.toml), as the driver launches it, parses in train_lora.py (every flag is
+    one it has; the base a tiny build of the same layout in place of the real one), swaps at most the real model's
+    blocks, trains on the frames the piece's clips have, and its --resolution's bucket for the clips' aspect is 480x832;
+    the real models' parameter counts, built from the published configs on the meta device, are pinned."""
+    import gpu_evidence
+    from PIL import Image
+
+    from common.buckets import bucket_sizes, nearest_bucket
+    from demo.wan_architectures import CONFIGS, build_random_wan
+    from train_lora import parse_args
+
+    counts = {arch: {name: sum(p.numel() for p in m.parameters())
+                     for name, m in build_random_wan(CONFIGS[arch], device="meta").components.items()
+                     if hasattr(m, "parameters")} for arch in CONFIGS}
+    assert counts["wan21-1.3b"] == {"vae": 126_892_531, "text_encoder": 5_680_910_336, "transformer": 1_418_996_800}
+    assert counts["wan22-a14b"]["transformer"] == 14_288_491_584
+
+    cfg = gpu_evidence.load_config()
+    cfg.update(models_dir=str(tmp_path / "ram"), work=str(tmp_path / "work"))
+    assert [p for p in cfg["order"] if p.startswith("f-")] == list(WAN_PIECES)
+    assert cfg["order"].index("f-wan") == cfg["order"].index("b-flux-noswap") + 1
+    for pid in WAN_PIECES:
+        piece = cfg["pieces"][pid]
+        arch = cfg["models"][piece["model"]]["architecture"]
+        clips = piece["clips"]
+        folder = gpu_evidence.ensure_clips(cfg, piece)  # (as the piece starts)
+        written = sorted(os.listdir(folder))
+        assert written == [f"{i:04d}{ext}" for i in range(clips["count"]) for ext in ("", ".txt")]
+        assert len(os.listdir(os.path.join(folder, "0000"))) == clips["frames"]
+        with Image.open(os.path.join(folder, "0000", "000.png")) as frame:
+            assert frame.size == (clips["width"], clips["height"])
+        buckets = bucket_sizes(piece["resolution"], 16)  # (Wan 2.1's factor: the VAE's 8 x the patch's 2)
+        assert buckets[nearest_bucket((clips["height"], clips["width"]), buckets)] == (480, 832)
+        for run in piece["runs"]:
+            cmd = gpu_evidence.run_command(cfg, piece, run, str(tmp_path / "out"))
+            argv = cmd[cmd.index(os.path.join(gpu_evidence.ROOT, "train_lora.py")) + 1:]
+            assert argv[argv.index("--pretrained_model_name_or_path") + 1] == str(tmp_path / "ram" / piece["model"])
+            assert argv[argv.index("--train_data_dir") + 1] == gpu_evidence.clips_folder(cfg, piece)
+            argv[argv.index("--pretrained_model_name_or_path") + 1] = str(wan_builds[arch])
+            args = parse_args(argv)
+            assert args.num_frames == clips["frames"] and args.resolution == 640 and args.buckets == "auto"
+            assert args.mixed_precision == "bf16" and args.gradient_checkpointing and args.cache_latents
+            assert (args.wan_expert == "high") == (arch == "wan22-a14b")
+            assert (args.blocks_to_swap or 0) <= CONFIGS[arch]["transformer"]["num_layers"]
+
+
+def test_a_wan_piece_writes_its_clips_and_trains_one_expert_in_fp8_with_block_swap(tmp_path, wan_builds):
+    """A Wan piece at a tiny scale on the CPU, as the real f-wan-a14b runs: the A14B layout of
+    demo/wan_architectures.py's builder (transformer_2 a link to transformer), the clips written by the driver (folders
+    of frames, 2:1, upscaled to their bucket), --wan_expert high with fp8 and block swap."""
+    from safetensors import safe_open
+
+    base = wan_builds["wan22-a14b"]
+    assert (base / "transformer_2").is_symlink() and os.readlink(base / "transformer_2") == "transformer"
+    assert json.loads((base / "model_index.json").read_text())["boundary_ratio"] == 0.875
+    with safe_open(str(base / "text_encoder" / "model.safetensors"), "pt") as f:  # UMT5's one embedding table
+        assert [k for k in f.keys() if "embed_tokens" in k or "shared" in k] == ["shared.weight"]
+    (tmp_path / "images" / "train").mkdir(parents=True)  # (the image pieces' data: none here)
+    (tmp_path / "images" / "train" / "metadata.jsonl").write_text("")
+    cfg = tmp_path / "workloads.toml"
+    cfg.write_text(f"""[gpu_evidence]
+data = {json.dumps(str(tmp_path / "images"))}
+results = {json.dumps(str(tmp_path / "results"))}
+work = {json.dumps(str(tmp_path / "work"))}
+models_dir = {json.dumps(str(tmp_path / "ram"))}
+peers = {json.dumps(str(tmp_path / "no-peers"))}
+pack = {json.dumps(str(tmp_path / "no-pack"))}
+device = "cpu"
+max_piece_s = 480
+launch = ["launch", "--config_file", "accelerate_configs/cpu.yaml", "--num_cpu_threads_per_process", "1"]
+common = []
+packages = ["diffusers"]
+
+[gpu_evidence.env]
+HF_HUB_OFFLINE = "1"
+ACCELERATE_USE_CPU = "1"
+OMP_NUM_THREADS = "1"
+
+[gpu_evidence.models.a14b]
+path = {json.dumps(str(base))}
+
+[gpu_evidence.pieces.wan]
+title = "a Wan expert"
+family = "Wan"
+help_shows = "--wan_expert"
+model = "a14b"
+resolution = 48
+batch_size = 1
+steps = 4
+warmup = 1
+clips = {{count = 2, frames = 9, width = 32, height = 16}}
+common = ["--rank", "4", "--seed", "0", "--gradient_checkpointing", "--cache_latents", "--buckets", "auto",
+          "--num_frames", "9", "--mixed_precision", "no", "--wan_expert", "high"]
+estimate_s = 30
+runs = [{{id = "fp8-swap", args = ["--quantize_base", "fp8", "--blocks_to_swap", "1"]}}]
+""")
+    proc = driver("run", "--config", cfg)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "wrote 2 clips of 9 frames, 32x16, to " in proc.stdout
+    result = json.loads((tmp_path / "results" / "wan.json").read_text())
+    (run,) = result["runs"]
+    assert result["status"] == "done" and run["returncode"] == 0, run
+    assert "--num_frames 9" in run["command"] and "--wan_expert high --quantize_base fp8 --blocks_to_swap 1" in \
+        run["command"] and f"--train_data_dir {tmp_path / 'work' / 'clips-2x9f-32x16'}" in run["command"]
+    assert run["peak_memory_mb"] > 0
+    assert (tmp_path / "work" / "clips-2x9f-32x16" / "0001.txt").read_text().startswith("a handwritten digit ")

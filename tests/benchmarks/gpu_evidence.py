@@ -15,7 +15,9 @@ run is compared only with runs of the same call on the same GPU.
 The pieces and their settings are workloads.toml's [gpu_evidence] tables: a. SD 1.5 against diffusers'
 train_text_to_image_lora.py, eager, then compiled; b. FLUX.1-dev's architecture at 1024 px in bf16, bf16 + block swap,
 nf4 + block swap, fp8 + block swap against diffusers' QLoRA script; c. SDXL, the optimizers, DeepSpeed and FSDP on one
-GPU; e. SD3. The models are the real architectures with random weights, built on the GPU in bf16 with every weight
+GPU; e. SD3; f. Wan 2.1 1.3B and Wan 2.2 A14B (one expert) on moving-digit clips at 480x832, 33 (and 81) frames,
+in bf16, bf16 + block swap, fp8 + block swap (the clips written when missing, folders of frames). The models are the
+real architectures with random weights, built on the GPU in bf16 with every weight
 drawn at once (`python -m demo.tiny_sd --fast`: seconds) into RAM (/dev/shm), never written to disk. Each training run
 is launched as users launch it (`accelerate launch --config_file ...`) through peak_memory.py, which measures our
 scripts and diffusers' the same way; steady-state steps/s comes from the run's progress bar (make bench's timing), the
@@ -286,16 +288,40 @@ def ensure_data(cfg):
     return path
 
 
-def free_room_for(cfg, name, keep):
-    """Room for model `name` beside it: the other built models that no pending piece needs go first."""
+def host_available():
+    """The host memory free for a run (/proc/meminfo's MemAvailable: files in RAM, /dev/shm's, count as used), in
+    bytes; None where there is no /proc/meminfo."""
+    try:
+        with open("/proc/meminfo") as f:
+            fields = dict(line.split(":", 1) for line in f)
+        return int(fields["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return None
+
+
+def free_room_for(cfg, name, keep, there=False):
+    """Room for model `name` beside it (`there`: it is built), and (`host_gb`: what its runs take in host memory
+    besides its files in RAM) room in the host memory: the other built models that no pending piece needs go first."""
     path = model_path(cfg, name)
-    need = cfg["models"][name].get("memory_gb", 0) * 1e9
+    need = 0 if there else cfg["models"][name].get("memory_gb", 0) * 1e9
+    host = cfg["models"][name].get("host_gb", 0) * 1e9
+    in_ram = path.startswith(at_root(cfg["models_dir"]))
+
+    def short():
+        available = host_available() if host else None
+        return shutil.disk_usage(os.path.dirname(path)).free < need or \
+            available is not None and available < host + need * in_ram
+
     for other, model in cfg["models"].items():
-        if shutil.disk_usage(os.path.dirname(path)).free >= need:
+        if not short():
             break
         if other != name and other not in keep and "architecture" in model and built(cfg, other):
             shutil.rmtree(model_path(cfg, other))
             print(f"removed the model {other} for room: no pending piece needs it", flush=True)
+    available = host_available() if host else None
+    if available is not None and available < host + need * in_ram:  # (the runs may still fit: said, not refused)
+        print(f"the model {name}'s runs take about {(host + need * in_ram) / 1e9:.0f} GB of host memory with its "
+              f"files, {available / 1e9:.0f} GB is available", flush=True)
     free = shutil.disk_usage(os.path.dirname(path)).free
     return None if free >= need else \
         f"the model {name} needs about {need / 1e9:.0f} GB in {os.path.dirname(path)}, {free / 1e9:.0f} free"
@@ -306,6 +332,8 @@ def ensure_model(cfg, name, device, keep, timeout):
     not, in one line, None). A build draws every weight at once on the device, in bf16 (demo/tiny_sd.py --fast)."""
     model = cfg["models"][name]
     if built(cfg, name):
+        if model.get("host_gb"):
+            free_room_for(cfg, name, keep, there=True)
         return None, None
     if "architecture" not in model:
         return f"the model {name} is not at {model_path(cfg, name)} (workloads.toml [gpu_evidence.models])", None
@@ -353,8 +381,53 @@ def last_line(log):
 # ---- one training run ----------------------------------------------------------------------------------------
 
 
+def clips_folder(cfg, piece):
+    """Where a video piece's clips are (`clips`: {count, frames, width, height})."""
+    c = piece["clips"]
+    return os.path.join(at_root(cfg["work"]), f"clips-{c['count']}x{c['frames']}f-{c['width']}x{c['height']}")
+
+
+def ensure_clips(cfg, piece):
+    """A video piece's clips, written when missing: `count` moving digits (demo/moving_digits.py's digit_clip, a
+    digit of half the frame's height drifting left a pixel a frame), `frames` frames of `width` x `height` px (the
+    square clip in the middle of a black frame), each a folder of PNG frames with its same-name .txt caption ("a
+    handwritten digit 3 moving left"): Pillow reads them, where video files would need PyAV on the GPU machine. The
+    scripts resize them to the piece's size. -> the folder."""
+    folder = clips_folder(cfg, piece)
+    if os.path.isdir(folder):
+        return folder
+    import numpy as np
+    from PIL import Image
+    from sklearn.datasets import load_digits
+
+    from demo.moving_digits import digit_clip
+
+    c = piece["clips"]
+    digits = load_digits()
+    rng = np.random.default_rng(0)
+    tmp = folder + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    for i, index in enumerate(rng.choice(len(digits.images), c["count"], replace=False)):
+        name = os.path.join(tmp, f"{i:04d}")
+        os.makedirs(name)
+        square = digit_clip(digits.images[index], c["frames"], c["height"], "left",
+                            top=int(rng.integers(2, c["height"] // 2 - 1)))
+        for t, frame in enumerate(square):
+            canvas = Image.new("RGB", (c["width"], c["height"]))
+            canvas.paste(frame, ((c["width"] - c["height"]) // 2, 0))
+            canvas.save(os.path.join(name, f"{t:03d}.png"))
+        with open(f"{name}.txt", "w") as f:
+            f.write(f"a handwritten digit {digits.target[index]} moving left\n")
+    os.replace(tmp, folder)
+    print(f"wrote {c['count']} clips of {c['frames']} frames, {c['width']}x{c['height']}, to {rel(folder)}", flush=True)
+    return folder
+
+
 def piece_data(cfg, piece):
-    """The piece's image folder: the data, or (`data_images`) a folder of its first N training images."""
+    """The piece's image folder: the data, (`data_images`) a folder of its first N training images, or (`clips`) its
+    clips' folder (ensure_clips)."""
+    if "clips" in piece:
+        return clips_folder(cfg, piece)
     data = at_root(cfg["data"])
     n = piece.get("data_images")
     if not n:
@@ -851,6 +924,8 @@ def run_pieces(args):
             continue
         print(f"{pid}: {piece['title']}", flush=True)
         piece_start = time.time()
+        if "clips" in piece:
+            ensure_clips(cfg, piece)
         deadline = piece_start + piece.get("limit_s", cfg["max_piece_s"])
         flops = None
         if piece.get("mfu") and device.type == "cuda":
@@ -958,6 +1033,8 @@ def preflight(args):
     wheels = ", ".join(f"{n} {w['version']}" for n, w in sorted((pack or {}).get("wheels", {}).items()))
     have = ", ".join(f"{n} {installed_version(n)}" for n in ("torch", "accelerate", "transformers", "peft"))
     print(f"preflight: {'the pack fits (' + wheels + ')' if pack else 'no pack here'}; this machine: {have}")
+    pieces = [f"{pid} ({cfg['pieces'][pid]['model']}, ~{cfg['pieces'][pid]['estimate_s']} s)" for pid in cfg["order"]]
+    print(f"the pieces in order (model, time without its build): {', '.join(pieces) or 'none'}")
     return 0
 
 
