@@ -9,7 +9,7 @@ import time
 
 from .cli import UserError, first_line
 from .diffusion import DEFAULT_GUIDANCE_SCALE, sample_images, to_pil
-from .pipeline_report import clip_frames, image_size, pipeline_family, pipeline_guidance, unpack_latents
+from .pipeline_report import clip_frames, image_size, lora_info, pipeline_family, pipeline_guidance, unpack_latents
 from .pipelines import class_label_ids
 from .vae import decode_fp32
 
@@ -231,7 +231,7 @@ def trace_sd(pipe, args, rec, generator, steps_kept):
         "num_images_per_prompt": args.num_images}
     try:
         images = pipe(prompt=args.prompt, num_inference_steps=args.num_inference_steps, height=height, width=width,
-                      **pipeline_guidance(pipe, args.guidance_scale, args.num_images), **count,
+                      **pipeline_guidance(pipe, args.guidance_scale, args.num_images, lora_info(args)), **count,
                       generator=generator, callback_on_step_end=on_step_end,
                       callback_on_step_end_tensor_inputs=inputs)[0]
     except ValueError as err:

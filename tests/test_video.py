@@ -190,11 +190,24 @@ def test_a_bad_clip_stops_train_lora_in_one_line_with_nothing_written(tiny_wan, 
     (["--train_text_encoder"], ["--train_text_encoder", "not offered"]),
     (["--guidance_scale", "3"], ["--guidance_scale", "means nothing for a Wan base"]),
     (["--wan_expert", "low"], ["--wan_expert low", "has one transformer", "leave --wan_expert out"]),
+    (["--validation_prompt", PROMPT], ["--validation_prompt draws at the pipeline's default size, 480 x 832 px",
+                                       "rope_max_seq_len 32", "give --buckets auto"]),
 ])
 def test_flags_that_do_not_fit_a_video_base_are_one_line(tiny_wan, clips, flags, needles, tmp_path):
     proc = run_script("train_lora.py", "--train_data_dir", clips, "--pretrained_model_name_or_path", tiny_wan,
                       "--output_dir", tmp_path / "out", *flags)
     assert_one_line_error(proc, *needles)
+
+
+def test_a_size_the_tiny_bases_transformer_cannot_place_is_one_line_and_its_card_gives_its_size(tiny_wan, tmp_path):
+    """WanPipeline's default 480 x 832 is 30 x 52 patches; the tiny base's rotary table places 32 an axis. sample.py
+    draws it at its card's size by default, and says what it takes when asked for more."""
+    flags = ["--model", tiny_wan, "--prompt", PROMPT, "--num_images", "1", "--num_inference_steps", "1",
+             "--num_frames", "1", "--output_dir", tmp_path / "samples"]
+    with pytest.raises(UserError, match=r"--height/--width 480 x 832 px: .* at most 32 patches .* at most 512"):
+        run_in_process("sample.py", *flags, "--height", "480", "--width", "832")
+    run_in_process("sample.py", *flags)
+    assert Image.open(tmp_path / "samples" / "0000.png").size == (32, 32)  # (the card: 32 x 32)
 
 
 def test_num_frames_on_an_image_base_is_one_line(tiny_sd, clips, tmp_path):

@@ -102,6 +102,20 @@ def size_factor(configs):
     return resolution_factor(configs)
 
 
+def check_size(configs, height, width, flags="--height/--width", fix=None):
+    """One line for a size whose patch grid the transformer's rotary embedding cannot place: it holds
+    rope_max_seq_len positions an axis (1024 in the real bases, far above any size they draw; a tiny base's is small).
+    flags: what set the size; fix: what to do (default: a size that fits)."""
+    denoiser = next((config for name, config in configs.items() if name.startswith("transformer")), {})
+    most = denoiser.get("rope_max_seq_len", 1024)
+    factor = resolution_factor(configs)
+    if max(height, width) // factor > most:
+        fix = fix or f"give --height and --width of at most {most * factor}"
+        raise UserError(f"{flags} {height} x {width} px: this base's transformer places at most {most} patches of "
+                        f"{factor} px an axis (rope_max_seq_len {most} in its config), {most * factor} px a side; "
+                        f"{fix}")
+
+
 def temporal_factor(vae_config):
     """How many frames make one latent frame (4 for Wan 2.1's VAE): a clip takes 4k + 1 frames."""
     return vae_config.get("scale_factor_temporal") or 2 ** sum(vae_config.get("temperal_downsample", ()))
@@ -187,6 +201,27 @@ def expert_family(path, expert, revision=None, cache_dir=None):
     view.LORA_FILE_DENOISER = "transformer"  # WanPipeline.save_lora_weights' only name; the loader picks the expert
     view.ui_lora = lambda states, alpha, config: named_lora(states[view.DENOISER], alpha, ui_name, DIFFUSERS_SUFFIXES)
     return view
+
+
+def lora_expert(path, metadata):
+    """The A14B expert a LoRA (a folder or a .safetensors file; metadata: the file's header) loads into: "low"
+    (`transformer_2`: load_into_transformer_2=True), "high", "both" (a folder of a --wan_expert both run: the high
+    one's here, the low one's in low/), or None (no word of it: diffusers' default, the high expert `transformer`;
+    a Wan LoRA file names its denoiser `transformer` whichever expert it is for). From the lora_info.json of the
+    folder, or beside the file (a both run's file there is the high one's), else the file's ModelSpec
+    architecture (".../lora-low"), which travels with the file."""
+    import os
+
+    from ..lora_files import read_lora_info
+
+    folder = path if os.path.isdir(path) else os.path.dirname(path) or "."
+    expert = (read_lora_info(folder) or {}).get("wan_expert") if os.path.exists(path) else None
+    if expert == "both" and not os.path.isdir(path):
+        return "high"
+    if expert is None:
+        architecture = (metadata or {}).get("modelspec.architecture", "")
+        expert = next((name for name in EXPERTS if architecture.endswith(f"/lora-{name}")), None)
+    return expert
 
 
 def experts_model(transformer, transformer_2, boundary):
