@@ -119,10 +119,11 @@ def test_the_validation_clip_and_sample_py_draw_wanpipelines_frames(trained, tmp
     import inspect_pipeline  # (in this process: its main returns the report it prints)
 
     report = inspect_pipeline.main(inspect_pipeline.parse_args([str(out), "--trace", "--json", "--num_inference_steps",
-                                                                "1", "--height", "32", "--width", "32"]))
-    json.dumps(report)  # (the run's clips: 5 frames, from lora_info.json)
+                                                                "1"]))
+    json.dumps(report)  # (the run's clips, size and T5 length, as sample.py draws it: 5 frames, 32 px, 40 tokens)
     assert report["vae"]["latent_shape"] == [1, 16, 2, 4, 4] and report["vae"]["packed_latent_shape"] == [1, 8, 64]
     assert report["trace"]["initial_noise"] == [1, 16, 2, 4, 4]
+    assert [s["input_ids"] for s in report["trace"]["stages"] if s["stage"] == "text_encoder"] == [[1, 40]] * 2
 
 
 def test_train_text_to_image_trains_the_wan_transformer_on_clips(tiny_wan, clips, tmp_path):
@@ -335,8 +336,7 @@ EXPERT_STEPS = [*STEPS[:3], "2", *STEPS[4:], "--validation_prompt", PROMPT, "--v
                 "--num_validation_images", "1", "--validation_inference_steps", "2"]
 
 
-# (high alone runs the code of low alone with the other expert's name; both covers its file and default loading)
-@pytest.fixture(scope="module", params=["low", "both"])
+@pytest.fixture(scope="module", params=["high", "low", "both"])
 def expert_run(request, tiny_wan_a14b, clips, tmp_path_factory):
     out = tmp_path_factory.mktemp(f"lora-wan-{request.param}") / "run"
     both = request.param == "both"  # in two processes: a step may leave an expert unused on a process, or on both
@@ -364,6 +364,7 @@ def test_an_a14b_experts_lora_loads_into_that_expert_with_wanpipelines_loader_an
     from peft.utils import set_peft_model_state_dict
 
     from common.lora_adapters import expand_targets
+    from common.lora_files import lora_file_metadata
 
     expert, base, out = expert_run
     names = list(EXPERTS.values()) if expert == "both" else [EXPERTS[expert]]
@@ -398,8 +399,29 @@ def test_an_a14b_experts_lora_loads_into_that_expert_with_wanpipelines_loader_an
     assert Image.open(out / "samples" / f"step-{step}" / "0-0.gif").n_frames == 5  # the validation clip
     run_in_process("sample.py", "--model", out, "--prompt", PROMPT, "--num_images", "1", "--num_inference_steps", "2",
                    "--output_dir", tmp_path / "samples")
+    theirs = np.concatenate(list((frames * 255).round().astype(int)), axis=1)
     grid = np.asarray(Image.open(tmp_path / "samples" / "grid.png").convert("RGB")).astype(int)
-    assert np.abs(grid - np.concatenate(list((frames * 255).round().astype(int)), axis=1)).max() <= 1
+    assert np.abs(grid - theirs).max() <= 1
+    if expert != "both":  # the .safetensors file, with its lora_info.json beside it or alone (its metadata names it)
+        def drawn(load, steps=3):  # (3 steps: t = 1000, 750, 9; at 2, the low expert's 9 hardly shows)
+            pipe = WanPipeline.from_pretrained(base)
+            load(pipe)
+            frames = pipe(prompt=PROMPT, num_frames=5, height=32, width=32, num_inference_steps=steps,
+                          guidance_scale=5.0, max_sequence_length=40, output_type="np",
+                          generator=torch.Generator().manual_seed(0)).frames[0]
+            return np.concatenate(list((frames * 255).round().astype(int)), axis=1)
+
+        right = drawn(lambda pipe: load_expert_loras(pipe, out, expert))
+        wrong = drawn(lambda pipe: pipe.load_lora_weights(out, load_into_transformer_2=expert == "high"))
+        assert np.abs(right - wrong).max() > 4  # (the expert it loads into shows)
+        shutil.copy(out / "pytorch_lora_weights.safetensors", tmp_path / "bare.safetensors")
+        for lora in (out / "pytorch_lora_weights.safetensors", tmp_path / "bare.safetensors"):
+            assert family_module("wan").lora_expert(str(lora), lora_file_metadata(str(lora))) == expert
+            run_in_process("sample.py", "--model", base, "--lora", lora, "--prompt", PROMPT, "--num_images", "1",
+                           "--num_inference_steps", "3", "--num_frames", "5", "--height", "32", "--width", "32",
+                           "--max_sequence_length", "40", "--output_dir", tmp_path / lora.stem)
+            grid = np.asarray(Image.open(tmp_path / lora.stem / "grid.png").convert("RGB")).astype(int)
+            assert np.abs(grid - right).max() <= 1, lora
     card = (out / "README.md").read_text()
     assert ("load_into_transformer_2=True" in card) == (expert != "high")
     if expert == "both":  # inspect_pipeline.py: both LoRAs, and the expert of each step
