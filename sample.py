@@ -394,6 +394,8 @@ def check_sample_flags(args, family, base, flag):
         if getattr(args, name) not in (None, False) and name not in family.SAMPLE_FLAGS:
             raise UserError(f"--{name} means nothing for a {family.NAME} base ({base}): leave it out")
     check_family_references(family, len(args.image), "--image", base)  # as many as its edit pipeline takes
+    if hasattr(family, "check_first_frame"):  # (Wan: TI2V-5B's image-to-video draws from a first frame, --image)
+        family.check_first_frame(base, flag, bool(args.image))
     if args.image:  # each at least what the edit pipeline packs into one token
         factor = family.resolution_factor(component_configs(base, ("vae", family.DENOISER), flag=flag))
         check_references(open_images(args.image, "--image"), args.image, "--image", family, factor)

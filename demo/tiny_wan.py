@@ -14,7 +14,9 @@ variance, as the real statistics make them.
 9 frames of 32 x 32 px -> 3 x 4 x 4 x 16 latents -> 12 tokens of 1 x 2 x 2 patches; a transformer 24 wide (2 heads of
 12, 2 blocks); a 2-layer UMT5 32 wide; 0.06 M parameters, 360 KB on disk. --variant ti2v: Wan 2.2 TI2V-5B's
 layout, a residual VAE of 48 channels that cuts frames into 2 x 2 patches first (16x fewer pixels a side: sides are
-multiples of 32) and the pipeline's per-token timesteps (expand_timesteps); 0.09 M parameters. --variant a14b: Wan 2.2
+multiples of 32) and the pipeline's per-token timesteps (expand_timesteps); 0.09 M parameters; --variant ti2v-i2v:
+the same saved as WanImageToVideoPipeline, TI2V-5B's image-to-video (no image encoder: the first frame's clean
+latents take the first latent frame's place). --variant a14b: Wan 2.2
 A14B's layout, Wan 2.1's VAE and two experts of the same shape, `transformer` (high noise) and `transformer_2` (low
 noise, its own random weights), switched at boundary_ratio 0.875 as the real model's (t >= 875: `transformer`).
 
@@ -48,7 +50,13 @@ def build_tiny_wan(configs=TINY, seed=0, variant="t2v"):
     on random clips; variant "ti2v": Wan 2.2 TI2V-5B's VAE and per-token timesteps; "a14b": Wan 2.2 A14B's two
     experts and boundary_ratio."""
     import torch
-    from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanPipeline, WanTransformer3DModel
+    from diffusers import (
+        AutoencoderKLWan,
+        FlowMatchEulerDiscreteScheduler,
+        WanImageToVideoPipeline,
+        WanPipeline,
+        WanTransformer3DModel,
+    )
     from transformers import UMT5Config, UMT5EncoderModel
 
     from demo.tiny_flow import t5_tokenizer
@@ -58,7 +66,7 @@ def build_tiny_wan(configs=TINY, seed=0, variant="t2v"):
     text_encoder = UMT5EncoderModel(UMT5Config(**configs["text"], vocab_size=len(tokenizer),
                                                pad_token_id=tokenizer.pad_token_id,
                                                eos_token_id=tokenizer.eos_token_id)).eval()
-    ti2v = variant == "ti2v"
+    ti2v = variant in ("ti2v", "ti2v-i2v")
     vae = AutoencoderKLWan(**(TI2V["vae"] if ti2v else configs["vae"]))
     with torch.no_grad():
         latents = vae.encode(torch.rand(4, 3, 9, 32, 32) * 2 - 1).latent_dist.mean
@@ -71,8 +79,9 @@ def build_tiny_wan(configs=TINY, seed=0, variant="t2v"):
     experts = {}
     if variant == "a14b":
         experts = dict(transformer_2=WanTransformer3DModel(**configs["transformer"]), boundary_ratio=BOUNDARY_RATIO)
-    return WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, transformer=transformer,
-                       scheduler=scheduler, expand_timesteps=ti2v, **experts)
+    pipeline = WanImageToVideoPipeline if variant == "ti2v-i2v" else WanPipeline
+    return pipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, transformer=transformer,
+                    scheduler=scheduler, expand_timesteps=ti2v, **experts)
 
 
 def write_tiny_wan(output_dir, seed=0, variant="t2v"):
@@ -80,10 +89,11 @@ def write_tiny_wan(output_dir, seed=0, variant="t2v"):
     from demo.tiny_flow import save_tiny_pipeline
 
     pipe = build_tiny_wan(seed=seed, variant=variant)
+    image = "image=first_frame, " if variant == "ti2v-i2v" else ""
     card = (
-        "A **random-init** Wan text-to-video pipeline written by `python -m demo.tiny_wan`, for offline runs, tests "
-        "and benchmarks. It produces noise, not videos.\n\n```python\nvideo = pipe(prompt=prompt, height=32, "
-        "width=32, num_frames=9).frames[0]\n```\n")
+        f"A **random-init** Wan {'image' if image else 'text'}-to-video pipeline written by `python -m "
+        "demo.tiny_wan`, for offline runs, tests and benchmarks. It produces noise, not videos.\n\n```python\n"
+        f"video = pipe({image}prompt=prompt, height=32, width=32, num_frames=9).frames[0]\n```\n")
     return save_tiny_pipeline(pipe, output_dir, card)
 
 
@@ -91,9 +101,10 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--output_dir", default="models/tiny-wan", help="The pipeline folder to write.")
     parser.add_argument("--seed", type=int, default=0, help="The seed of the random weights.")
-    parser.add_argument("--variant", choices=["t2v", "ti2v", "a14b"], default="t2v",
-                        help="t2v: Wan 2.1's layout; ti2v: Wan 2.2 TI2V-5B's (its VAE, per-token timesteps); a14b: "
-                             "Wan 2.2 A14B's (two experts, boundary_ratio 0.875).")
+    parser.add_argument("--variant", choices=["t2v", "ti2v", "ti2v-i2v", "a14b"], default="t2v",
+                        help="t2v: Wan 2.1's layout; ti2v: Wan 2.2 TI2V-5B's (its VAE, per-token timesteps); "
+                             "ti2v-i2v: the same saved as WanImageToVideoPipeline (its image-to-video mode: a first "
+                             "frame); a14b: Wan 2.2 A14B's (two experts, boundary_ratio 0.875).")
     args = parser.parse_args()
     n = write_tiny_wan(args.output_dir, args.seed, args.variant)
     print(f"wrote a random-init tiny Wan pipeline ({n / 1e6:.2f} M parameters) to {args.output_dir}")

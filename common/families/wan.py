@@ -26,8 +26,10 @@ KEY = "wan"
 NAME = "Wan"
 PIPELINE = "WanPipeline"
 DENOISER = "transformer"
-REFERENCES = 0  # reference images (edit LoRAs): none for this family
-EDIT_PIPELINE = None
+# Wan 2.2 TI2V-5B's image-to-video: the pipeline that draws from a first frame (sample.py --image), and its bases
+I2V_PIPELINE = "WanImageToVideoPipeline"
+REFERENCES = 1  # the first frame (TI2V-5B bases only: check_first_frame)
+EDIT_PIPELINE = I2V_PIPELINE
 SWAP_BLOCKS = ("blocks",)  # the denoiser's blocks, in the order its forward runs them
 # What its LoRA files say of their base (musubi-tuner's ss_base_model_version "wan2.1_...", ModelSpec's architecture),
 # and tensor names only its LoRAs have: its `blocks` under diffusers', ComfyUI's and kohya's prefixes.
@@ -149,7 +151,12 @@ def boundary_ratio(path, revision=None, cache_dir=None):
 def check_base(path, revision=None, cache_dir=None, expert=False):
     """-> the expert to train (None for a base with one expert): `expert` is --wan_expert's value (None: not given,
     then DEFAULT_EXPERT for A14B), False where the script trains no expert (train_text_to_image.py). One line for
-    --wan_expert on a base with one expert, or an A14B base where experts do not train."""
+    --wan_expert on a base with one expert, or an A14B base where experts do not train; for the image-to-video bases
+    not trained here (image_to_video), and TI2V-5B's image-to-video where no expert trains."""
+    if image_to_video(path, revision, cache_dir) and expert is False:
+        raise UserError(f"--pretrained_model_name_or_path '{path}' is Wan 2.2 TI2V-5B's image-to-video "
+                        f"({I2V_PIPELINE}), which train_lora.py trains; this script trains its text-to-video mode: "
+                        "give the base saved as WanPipeline")
     ratio = boundary_ratio(path, revision, cache_dir)
     if ratio is None:
         if expert:
@@ -161,6 +168,123 @@ def check_base(path, revision=None, cache_dir=None, expert=False):
                         f"the boundary timestep, transformer_2 below it, boundary_ratio {ratio}), whose experts are "
                         "trained by train_lora.py --wan_expert only; give Wan 2.1 or Wan 2.2 TI2V-5B")
     return expert or DEFAULT_EXPERT
+
+
+def image_to_video(path, revision=None, cache_dir=None):
+    """True for a base saved as WanImageToVideoPipeline with per-token timesteps (Wan 2.2 TI2V-5B in its
+    image-to-video mode), False for WanPipeline; one line for the image-to-video bases not trained here (Wan 2.1 I2V,
+    Wan 2.2 I2V A14B: the first frame's latents and mask concatenated to the noise, and Wan 2.1's CLIP image
+    embeddings)."""
+    from . import read_model_index
+
+    index = read_model_index(path, "--pretrained_model_name_or_path", revision, cache_dir)
+    if index.get("_class_name") != I2V_PIPELINE:
+        return False
+    if not index.get("expand_timesteps"):
+        raise UserError(f"'{path}' is a {I2V_PIPELINE} base of Wan 2.1 I2V or Wan 2.2 I2V A14B (the first frame's "
+                        "latents and mask concatenated to the noise), which the recipes do not train or draw yet; "
+                        "Wan 2.2 TI2V-5B's image-to-video (expand_timesteps) they do")
+    return True
+
+
+def check_first_frame(path, flag, given, revision=None, cache_dir=None):
+    """sample.py: one line for an image-to-video base (or a LoRA of one) without a first frame (--image), and for a
+    first frame on a base that does not take one (Wan 2.1 T2V, A14B: only TI2V-5B draws from one)."""
+    from . import read_model_index
+
+    if image_to_video(path, revision, cache_dir):
+        if not given:
+            raise UserError(f"{flag} '{path}' is Wan 2.2 TI2V-5B's image-to-video ({I2V_PIPELINE}): it draws from a "
+                            "first frame; give --image FIRST_FRAME.png")
+    elif given and not read_model_index(path, flag, revision, cache_dir).get("expand_timesteps"):
+        raise UserError(f"--image: {flag} '{path}' is a Wan text-to-video base; only Wan 2.2 TI2V-5B draws from a "
+                        f"first frame ({I2V_PIPELINE}, expand_timesteps): leave --image out")
+
+
+def first_frame_view(module):
+    """The family as it trains an image-to-video LoRA of Wan 2.2 TI2V-5B, as its pipeline draws: the clean latents of
+    each clip's own first frame in place of that latent frame's noise, given timestep 0 (the other tokens the clip's
+    timestep), and the loss on the frames after it (training_objective); a one-frame clip (an image) trains as
+    text-to-image, as the base draws one without a first frame."""
+    import types
+
+    view = types.SimpleNamespace(**{k: v for k, v in vars(module).items() if not k.startswith("__")})
+    view.PIPELINE = I2V_PIPELINE
+    view.FIRST_FRAME = True
+    view.denoise = first_frame_denoise
+    view.training_objective = FirstFrame
+    return view
+
+
+def first_frame_denoise(transformer, noisy, timesteps, cond, guidance=None):
+    """denoise with the first latent frame given as clean (timestep 0 on its tokens), as WanImageToVideoPipeline
+    calls the transformer with expand_timesteps; a one-frame clip as denoise."""
+    import torch
+
+    if noisy.ndim == 5 and noisy.shape[2] > 1:
+        _, p, q = patch_size({"transformer": transformer.config})
+        f, h, w = noisy.shape[2:]
+        later = torch.ones(f, h // p, w // q, device=noisy.device, dtype=timesteps.dtype)
+        later[0] = 0
+        timesteps = timesteps[:, None] * later.flatten()[None]  # [B, tokens], in the patches' order
+    return denoise(transformer, noisy, timesteps, cond, guidance)
+
+
+class FirstFrame:
+    """An objective (common/objectives.py) whose clips keep their first latent frame clean (the condition) and whose
+    loss leaves it out; everything else is the wrapped objective's."""
+
+    def __init__(self, objective):
+        self.objective = objective
+
+    def __getattr__(self, name):
+        return getattr(self.__dict__["objective"], name)
+
+    def __call__(self, latents):
+        noised = self.objective(latents)
+        return self.conditioned(latents, noised)
+
+    def at(self, latents, noise, indices, weighted=True):
+        return self.conditioned(latents, self.objective.at(latents, noise, indices, weighted))
+
+    @staticmethod
+    def conditioned(latents, noised):
+        if latents.ndim != 5 or latents.shape[2] == 1:
+            return noised
+        noisy = noised.noisy.clone()
+        noisy[:, :, :1] = latents[:, :, :1].to(noisy.dtype)
+        return noised._replace(noisy=noisy)
+
+    def losses(self, prediction, noised, mask=None):
+        if prediction.ndim == 5 and prediction.shape[2] > 1:  # the frames after the first
+            later = slice(1, None)
+            noised = noised._replace(noisy=noised.noisy[:, :, later], target=noised.target[:, :, later])
+            prediction = prediction[:, :, later]
+            if mask is not None and mask.ndim == 5 and mask.shape[2] > 1:
+                mask = mask[:, :, later]
+        return self.objective.losses(prediction, noised, mask)
+
+    def describe(self):
+        return f"{self.objective.describe()}, each clip's first frame given clean (image-to-video)"
+
+
+def reference_kwargs(references, height, width):
+    """WanImageToVideoPipeline's first frame (sample.py --image), which it resizes to height x width itself."""
+    i2v_without_ftfy()
+    return {"image": references[0]}
+
+
+def i2v_without_ftfy():
+    """WanImageToVideoPipeline cleans prompts with ftfy without checking that it is installed, where WanPipeline
+    checks (diffusers 0.42; huggingface/diffusers#12314): without ftfy, it cleans them as WanPipeline does then,
+    whitespace only, which is what training encodes."""
+    import types
+
+    from diffusers.pipelines.wan import pipeline_wan_i2v
+    from diffusers.utils import is_ftfy_available
+
+    if not is_ftfy_available() and not hasattr(pipeline_wan_i2v, "ftfy"):
+        pipeline_wan_i2v.ftfy = types.SimpleNamespace(fix_text=lambda text: text)
 
 
 def expert_family(path, expert, revision=None, cache_dir=None):
@@ -176,7 +300,7 @@ def expert_family(path, expert, revision=None, cache_dir=None):
     module = sys.modules[__name__]
     expert = check_base(path, revision, cache_dir, expert)
     if expert is None:
-        return module
+        return first_frame_view(module) if image_to_video(path, revision, cache_dir) else module
     ratio = boundary_ratio(path, revision, cache_dir)
     view = types.SimpleNamespace(**{k: v for k, v in vars(module).items() if not k.startswith("__")})
     view.COMPONENTS = {**COMPONENTS, "transformer_2": COMPONENTS["transformer"]}
