@@ -246,25 +246,50 @@ def test_a_hub_wan_bases_unipc_scheduler_trains_and_draws_at_its_flow_shift(tmp_
     assert sampling_scheduler(wan.SAMPLER, unipc.config, wan.SAMPLERS).config.shift == 3.0
 
 
-def test_wan_22_ti2v_trains_as_its_pipeline_calls_it():
-    """Wan 2.2 TI2V-5B in its text-to-video mode (demo/tiny_wan.py --variant ti2v): the pipeline gives the transformer
-    one timestep per token (expand_timesteps), all equal without a first frame; the family's call with one timestep per
-    clip predicts the same. Its VAE cuts 2 x 2 patches first: sides are multiples of 32."""
+@pytest.mark.parametrize("variant", ["ti2v", "ti2v-i2v"])
+def test_wan_22_ti2v_trains_as_its_pipeline_calls_it(variant):
+    """Wan 2.2 TI2V-5B (demo/tiny_wan.py --variant ti2v): the pipeline gives the transformer one timestep per token
+    (expand_timesteps). Text-to-video: all equal, the same prediction as one timestep per clip. Image-to-video
+    (WanImageToVideoPipeline, --variant ti2v-i2v): the first latent frame is the clean first frame's, its tokens at
+    timestep 0, as the pipeline's first_frame_mask makes them; the loss leaves that frame out. Its VAE cuts 2 x 2
+    patches first: sides are multiples of 32."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    from common.objectives import FlowMatching
     from demo.tiny_wan import build_tiny_wan
 
     wan = family_module("wan")
-    pipe = build_tiny_wan(variant="ti2v")
+    pipe = build_tiny_wan(variant=variant)
     configs = {"vae": pipe.vae.config, "transformer": pipe.transformer.config}
     assert pipe.config.expand_timesteps and wan.resolution_factor(configs) == 32
-    x = torch.randn(2, 48, 2, 2, 2, generator=torch.Generator().manual_seed(0))
-    t = torch.tensor([100.0, 700.0])
+    i2v = variant == "ti2v-i2v"
+    family = wan.first_frame_view(wan) if i2v else wan
+    generator = torch.Generator().manual_seed(0)
+    x, noise = (torch.randn(2, 48, 3, 4, 4, generator=generator) for _ in range(2))  # 3 latent frames of 2 x 2 tokens
+    objective = family.training_objective(FlowMatching(FlowMatchEulerDiscreteScheduler(shift=3.0))) if i2v else \
+        FlowMatching(FlowMatchEulerDiscreteScheduler(shift=3.0))
+    noised = objective.at(x, noise, torch.tensor([100, 700]))
+    plain = FlowMatching(FlowMatchEulerDiscreteScheduler(shift=3.0)).at(x, noise, torch.tensor([100, 700]))
+    t = noised.timesteps
     with torch.no_grad():
         cond = wan.encode_prompts(pipe.components, wan.tokenize(pipe.components, [PROMPT] * 2, 40))
-        ours = wan.denoise(pipe.transformer, x, t, cond)
-        tokens = 2 * 1 * 1  # latent frames x (h / 2) x (w / 2)
-        theirs = pipe.transformer(hidden_states=x, timestep=t[:, None].expand(2, tokens),
-                                  encoder_hidden_states=cond["prompt_embeds"], return_dict=False)[0]
-    assert (ours - theirs).abs().max() < 1e-5
+        ours = family.denoise(pipe.transformer, noised.noisy, t, cond)
+        mask = torch.ones(1, 1, 3, 4, 4)  # WanImageToVideoPipeline's first_frame_mask (text-to-video: none)
+        if i2v:
+            mask[:, :, 0] = 0
+        given = (1 - mask) * x[:, :, :1] + mask * plain.noisy  # (the pipeline's condition: the first frame's latents)
+        timestep = torch.stack([(mask[0][0][:, ::2, ::2] * step).flatten() for step in t])
+        theirs = pipe.transformer(hidden_states=given, timestep=timestep, encoder_hidden_states=cond["prompt_embeds"],
+                                  return_dict=False)[0]
+    assert torch.equal(noised.noisy, given) and (ours - theirs).abs().max() < 1e-5
+    losses = objective.losses(ours, noised)
+    kept = slice(1, None) if i2v else slice(None)
+    expected = ((ours - noised.target)[:, :, kept] ** 2).mean(dim=(1, 2, 3, 4))
+    assert torch.allclose(losses, expected)
+    if i2v:  # the first frame's prediction is no part of the loss; a one-frame clip (an image) trains as text-to-image
+        assert torch.equal(objective.losses(torch.cat([ours[:, :, :1] + 1, ours[:, :, 1:]], 2), noised), losses)
+        one = objective.at(x[:, :, :1], noise[:, :, :1], torch.tensor([100, 700]))
+        assert torch.equal(one.noisy, plain.noisy[:, :, :1])
 
 
 @pytest.mark.parametrize("cached", [True, False], ids=["decoded-once", "decoded-per-item"])
@@ -302,7 +327,8 @@ def test_a_datasets_video_column_trains_as_clips(clips):
 
 @pytest.mark.parametrize("kind, script, needles", [
     ("a14b", "train_text_to_image.py", ["is Wan 2.2 A14B", "boundary_ratio 0.875", "train_lora.py --wan_expert"]),
-    ("i2v", "train_lora.py", ["names the pipeline class 'WanImageToVideoPipeline'", "WanPipeline"])])
+    ("i2v", "train_lora.py", ["WanImageToVideoPipeline base of Wan 2.1 I2V or Wan 2.2 I2V A14B",
+                              "Wan 2.2 TI2V-5B's image-to-video (expand_timesteps) they do"])])
 def test_wan_bases_not_trained_yet_are_one_line(tiny_wan, clips, kind, script, needles, tmp_path):
     base = tmp_path / kind
     shutil.copytree(tiny_wan, base)
@@ -476,3 +502,85 @@ def test_wan_expert_defaults_to_high_and_what_it_cannot_take_is_one_line(tiny_wa
     else:
         check_video_args(args, family_module(family), None)
         assert args.wan_expert == "high"
+
+
+# Wan 2.2 TI2V-5B's image-to-video (WanImageToVideoPipeline): each clip's first frame is the condition
+@pytest.fixture(scope="module")
+def i2v_run(clips, tmp_path_factory):
+    from demo.tiny_wan import write_tiny_wan
+
+    base = tmp_path_factory.mktemp("models") / "tiny-wan-ti2v-i2v"
+    write_tiny_wan(str(base), variant="ti2v-i2v")
+    out = tmp_path_factory.mktemp("lora-wan-i2v") / "run"
+    launch("train_lora.py", "--train_data_dir", clips, "--pretrained_model_name_or_path", base, "--output_dir", out,
+           *STEPS, *SPLIT)
+    return base, clips, out
+
+
+def test_an_image_to_video_lora_loads_back_and_sample_py_draws_wanimagetovideopipelines_frames(i2v_run, tmp_path):
+    """The TI2V-5B image-to-video LoRA (its held-out loss on the frames after the first) loads back in
+    WanImageToVideoPipeline within 1e-5, the UI file too; sample.py --image draws the pipeline's frames from that first
+    frame within 1 level."""
+    from diffusers import WanImageToVideoPipeline
+    from peft import LoraConfig
+    from peft.utils import set_peft_model_state_dict
+
+    from common.lora_adapters import expand_targets
+
+    base, clips, out = i2v_run
+    wan = family_module("wan")
+    results = read_results(out)
+    assert results["global_step"] == 4 and set(results["validation_losses"]) == {"0", "4"}
+    assert json.loads((out / "lora_info.json").read_text())["num_frames"] == 5
+
+    def output(pipe):  # the transformer on a fixed clip of 2 latent frames, its first one given
+        x = torch.randn(2, 48, 2, 2, 2, generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            cond = wan.encode_prompts(pipe.components, wan.tokenize(pipe.components, [PROMPT] * 2, 40))
+            return wan.first_frame_denoise(pipe.transformer, x, torch.tensor([100.0, 700.0]), cond)
+
+    reference = WanImageToVideoPipeline.from_pretrained(base)
+    reference.transformer.add_adapter(LoraConfig(r=4, lora_alpha=8, init_lora_weights="gaussian", target_modules=(
+        expand_targets(reference.transformer, wan.LORA_TARGETS.split(",")))))
+    set_peft_model_state_dict(reference.transformer,
+                              load_file(out / "checkpoint-4" / "transformer" / "adapter_model.safetensors"))
+    expected = output(reference)
+    assert (output(WanImageToVideoPipeline.from_pretrained(base)) - expected).abs().max() > 1e-4  # it learned
+    for weights in ("pytorch_lora_weights.safetensors", "pytorch_lora_weights_ui.safetensors"):
+        pipe = WanImageToVideoPipeline.from_pretrained(base)
+        pipe.load_lora_weights(out, weight_name=weights)
+        assert (output(pipe) - expected).abs().max() < 1e-5, weights
+    first = tmp_path / "first.png"
+    Image.open(clips / "0001.gif").convert("RGB").save(first)  # a clip's first frame
+    run_in_process("sample.py", "--model", out, "--prompt", PROMPT, "--image", first, "--num_images", "1",
+                   "--num_inference_steps", "3", "--output_dir", tmp_path / "samples")
+    grid = np.asarray(Image.open(tmp_path / "samples" / "grid.png").convert("RGB")).astype(int)
+    wan.i2v_without_ftfy()  # (diffusers 0.42's WanImageToVideoPipeline needs ftfy to clean prompts otherwise)
+    frames = pipe(image=Image.open(first), prompt=PROMPT, num_frames=5, height=32, width=32, num_inference_steps=3,
+                  guidance_scale=5.0, max_sequence_length=40, output_type="np",
+                  generator=torch.Generator().manual_seed(0)).frames[0]
+    assert np.abs(grid - np.concatenate(list((frames * 255).round().astype(int)), axis=1)).max() <= 1
+
+
+@pytest.mark.parametrize("script, flags, needles", [
+    ("train_lora.py", ["--validation_prompt", PROMPT], ["--validation_prompt", "draws from a first frame",
+                                                        "sample.py --image"]),
+    ("train_text_to_image.py", [], ["is Wan 2.2 TI2V-5B's image-to-video", "which train_lora.py trains"]),
+    ("sample.py", [], ["image-to-video (WanImageToVideoPipeline): it draws from a first frame",
+                       "give --image FIRST_FRAME.png"]),
+    ("sample.py", ["--image"], ["--image:", "is a Wan text-to-video base", "leave --image out"])])
+def test_an_image_to_video_base_without_a_first_frame_is_one_line(i2v_run, tiny_wan, script, flags, needles,
+                                                                   tmp_path):
+    base, clips, out = i2v_run
+    if script == "sample.py":  # the LoRA without a first frame; a first frame for a text-to-video base
+        first = tmp_path / "first.png"
+        Image.new("RGB", (32, 32)).save(first)
+        model, image = (tiny_wan, ["--image", first]) if flags else (out, [])
+        with pytest.raises(UserError) as err:
+            run_in_process("sample.py", "--model", model, "--prompt", PROMPT, *image, "--output_dir",
+                           tmp_path / "samples")
+        assert all(needle in str(err.value) for needle in needles), err.value
+        return
+    proc = run_script(script, "--train_data_dir", clips, "--pretrained_model_name_or_path", base, "--output_dir",
+                      tmp_path / "out", *FRAMES, "--resolution", "32", *flags)
+    assert_one_line_error(proc, *needles)
