@@ -168,6 +168,9 @@ def paired_references(args, family, train_ds, held_out_ds):
     One line for a control image that does not read, is smaller than the base takes, or has another aspect ratio
     than its target, and (without --allow_missing_control) for a training image without one."""
     count = reference_count(args)
+    if not count and getattr(family, "FIRST_FRAME", False):  # (Wan image-to-video: validation's first frame)
+        first = first_frame(args, train_ds, held_out_ds)
+        return References(0, validation=[first] if first else None), held_out_ds
     if not count:
         return References(0), held_out_ds
     from .base_models import size_factor
@@ -190,6 +193,22 @@ def paired_references(args, family, train_ds, held_out_ds):
         args.reference_paths = [(value.get("path") if isinstance(value, dict) else None) or "reference.png"
                                 for value in first]
     return References(count, train, held_out, validation), held_out_ds
+
+
+def first_frame(args, train_ds, held_out_ds):
+    """An image-to-video run's validation first frame (PIL): the first held-out clip's, else the first training
+    clip's; the model card's snippet reads it from <output_dir>/first_frame.png, which validation writes (without
+    validation prompts: None, and the snippet names a first_frame.png of the user's)."""
+    from .image_data import read_frames, undecoded
+
+    args.reference_paths = [os.path.join(args.output_dir, FIRST_FRAME) if args.validation_prompt else FIRST_FRAME]
+    if not args.validation_prompt:
+        return None
+    dataset = held_out_ds if held_out_ds is not None and len(held_out_ds) else train_ds
+    return read_frames(undecoded(dataset.select([0]), args.image_column)[0])[0].convert("RGB")
+
+
+FIRST_FRAME = "first_frame.png"
 
 
 def dataset_controls(args, dataset, smallest):

@@ -513,14 +513,18 @@ def i2v_run(clips, tmp_path_factory):
     write_tiny_wan(str(base), variant="ti2v-i2v")
     out = tmp_path_factory.mktemp("lora-wan-i2v") / "run"
     launch("train_lora.py", "--train_data_dir", clips, "--pretrained_model_name_or_path", base, "--output_dir", out,
-           *STEPS, *SPLIT)
+           *STEPS, *SPLIT, *VALIDATION)
     return base, clips, out
 
 
-def test_an_image_to_video_lora_loads_back_and_sample_py_draws_wanimagetovideopipelines_frames(i2v_run, tmp_path):
-    """The TI2V-5B image-to-video LoRA (its held-out loss on the frames after the first) loads back in
-    WanImageToVideoPipeline within 1e-5, the UI file too; sample.py --image draws the pipeline's frames from that first
-    frame within 1 level."""
+def test_an_image_to_video_lora_loads_back_and_sample_py_draws_wanimagetovideopipelines_frames(i2v_run, tmp_path,
+                                                                                              monkeypatch):
+    """The TI2V-5B image-to-video LoRA (its held-out loss on the frames after the first; validation clips from the
+    first held-out clip's first frame, written beside it for the card) loads back in WanImageToVideoPipeline within
+    1e-5, the UI file too; sample.py --image draws the pipeline's frames from that first frame within 1 level; the
+    card's snippet draws its clip."""
+    import re
+
     from diffusers import WanImageToVideoPipeline
     from peft import LoraConfig
     from peft.utils import set_peft_model_state_dict
@@ -550,8 +554,9 @@ def test_an_image_to_video_lora_loads_back_and_sample_py_draws_wanimagetovideopi
         pipe = WanImageToVideoPipeline.from_pretrained(base)
         pipe.load_lora_weights(out, weight_name=weights)
         assert (output(pipe) - expected).abs().max() < 1e-5, weights
-    first = tmp_path / "first.png"
-    Image.open(clips / "0001.gif").convert("RGB").save(first)  # a clip's first frame
+    assert Image.open(out / "samples" / "step-4" / "0-0.gif").n_frames == 5  # the validation clip
+    first = out / "first_frame.png"  # (its first frame: the held-out clip's)
+    assert Image.open(first).size == (32, 32)
     run_in_process("sample.py", "--model", out, "--prompt", PROMPT, "--image", first, "--num_images", "1",
                    "--num_inference_steps", "3", "--output_dir", tmp_path / "samples")
     grid = np.asarray(Image.open(tmp_path / "samples" / "grid.png").convert("RGB")).astype(int)
@@ -560,11 +565,14 @@ def test_an_image_to_video_lora_loads_back_and_sample_py_draws_wanimagetovideopi
                   guidance_scale=5.0, max_sequence_length=40, output_type="np",
                   generator=torch.Generator().manual_seed(0)).frames[0]
     assert np.abs(grid - np.concatenate(list((frames * 255).round().astype(int)), axis=1)).max() <= 1
+    code = re.search(r"```python\n(.*?)```", (out / "README.md").read_text(), re.S).group(1)
+    assert "WanImageToVideoPipeline" in code and "image=reference" in code and str(first) in code
+    monkeypatch.chdir(tmp_path)
+    exec(compile(code.replace("num_inference_steps=50", "num_inference_steps=2"), "card", "exec"), {})
+    assert Image.open(tmp_path / "sample.gif").n_frames == 5
 
 
 @pytest.mark.parametrize("script, flags, needles", [
-    ("train_lora.py", ["--validation_prompt", PROMPT], ["--validation_prompt", "draws from a first frame",
-                                                        "sample.py --image"]),
     ("train_text_to_image.py", [], ["is Wan 2.2 TI2V-5B's image-to-video", "which train_lora.py trains"]),
     ("sample.py", [], ["image-to-video (WanImageToVideoPipeline): it draws from a first frame",
                        "give --image FIRST_FRAME.png"]),

@@ -210,6 +210,7 @@ def first_frame_view(module):
 
     view = types.SimpleNamespace(**{k: v for k, v in vars(module).items() if not k.startswith("__")})
     view.PIPELINE = I2V_PIPELINE
+    view.PIPELINE_EXTRAS = {"expand_timesteps": True}  # (validation's pipeline, built from the parts)
     view.FIRST_FRAME = True
     view.denoise = first_frame_denoise
     view.training_objective = FirstFrame
