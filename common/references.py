@@ -170,7 +170,9 @@ def paired_references(args, family, train_ds, held_out_ds):
     count = reference_count(args)
     if not count and getattr(family, "FIRST_FRAME", False):  # (Wan image-to-video: validation's first frame)
         first = first_frame(args, train_ds, held_out_ds)
-        return References(0, validation=[first] if first else None), held_out_ds
+        return References(0, validation=[first] if first else None,
+                          condition=family.image_condition if getattr(family, "IMAGE_CONDITION", False) else None
+                          ), held_out_ds
     if not count:
         return References(0), held_out_ds
     from .base_models import size_factor
@@ -286,12 +288,14 @@ class References:
     """The reference images of a run, for the training loop: `rows` (each training and held-out row's control image
     values, for image_datasets), `batch_keys` (batches all with or all without references), the conditioning of a
     batch (`refs(batch, encode, latent_config)`: {"reference_latents": [...]}, or {} for a batch without them or a
-    text-to-image run), of held-out images (`held_out`), and `validation`, the validation prompts' references (PIL)."""
+    text-to-image run), of held-out images (`held_out`), and `validation`, the validation prompts' references (PIL).
+    `condition(encode, pixels, latent_config)`: an image-to-video family's condition of each clip, from its own pixels
+    (Wan 2.2 I2V A14B: {"image_condition": ...}; no references then)."""
 
-    def __init__(self, count, train=None, held_out=None, validation=None):
+    def __init__(self, count, train=None, held_out=None, validation=None, condition=None):
         import torch
 
-        self.count, self.rows, self.validation = count, (train, held_out), validation
+        self.count, self.rows, self.validation, self.condition = count, (train, held_out), validation, condition
         self.present = torch.tensor([all(row) for row in train or ()], dtype=torch.bool)
         self.all_present = bool(self.present.all()) if count else True
         self.held_out_cache = {}
@@ -305,6 +309,8 @@ class References:
 
     def __call__(self, batch, encode, latent_config):
         """A training batch's reference latents (cached with --cache_latents, else encoded now)."""
+        if self.condition is not None:
+            return {"image_condition": self.condition(encode, batch["pixel_values"], latent_config)}
         if not self.count or not (self.all_present or self.present[batch["index"].cpu()].all()):
             return {}
         from .image_data import reference_means
@@ -321,6 +327,11 @@ class References:
 
         from .image_data import reference_means
 
+        if self.condition is not None:  # (each held-out clip's, encoded once)
+            for i in ids.tolist():
+                if i not in self.held_out_cache:
+                    self.held_out_cache[i] = self.condition(encode, data[i]["pixel_values"][None], latent_config)[0]
+            return {"image_condition": torch.stack([self.held_out_cache[i] for i in ids.tolist()])}
         if not self.count:
             return {}
         for i in ids.tolist():

@@ -16,12 +16,16 @@ variance, as the real statistics make them.
 layout, a residual VAE of 48 channels that cuts frames into 2 x 2 patches first (16x fewer pixels a side: sides are
 multiples of 32) and the pipeline's per-token timesteps (expand_timesteps); 0.09 M parameters; --variant ti2v-i2v:
 the same saved as WanImageToVideoPipeline, TI2V-5B's image-to-video (no image encoder: the first frame's clean
-latents take the first latent frame's place). --variant a14b: Wan 2.2
-A14B's layout, Wan 2.1's VAE and two experts of the same shape, `transformer` (high noise) and `transformer_2` (low
-noise, its own random weights), switched at boundary_ratio 0.875 as the real model's (t >= 875: `transformer`).
+latents take the first latent frame's place); --variant i2v-a14b: Wan 2.2 I2V A14B's layout, two experts whose
+transformers take 36 channels (the noise, a 4-channel mask of the first frame, the latents of the first frame followed
+by black frames), switched at boundary_ratio 0.9, saved as WanImageToVideoPipeline without an image encoder.
+--variant a14b: Wan 2.2 A14B's layout, Wan 2.1's VAE and two experts of the same shape, `transformer` (high noise)
+and `transformer_2` (low noise, its own random weights), switched at boundary_ratio 0.875 as the real model's (t >= 875:
+`transformer`).
 
 Shape rules the configs keep: the transformer's text_dim = UMT5's d_model; in_channels = out_channels = the VAE's
-z_dim; an image side a multiple of 16 (the VAE's 8 x the patch's 2); a clip 4k + 1 frames.
+z_dim (I2V A14B: in_channels 2 z_dim + 4); an image side a multiple of 16 (the VAE's 8 x the patch's 2); a clip
+4k + 1 frames.
 """
 import argparse
 
@@ -43,6 +47,7 @@ TINY = {
     "scheduler": dict(num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=False),
 }
 BOUNDARY_RATIO = 0.875  # Wan-AI/Wan2.2-T2V-A14B-Diffusers' model_index.json
+I2V_BOUNDARY_RATIO = 0.9  # Wan-AI/Wan2.2-I2V-A14B-Diffusers' model_index.json
 
 
 def build_tiny_wan(configs=TINY, seed=0, variant="t2v"):
@@ -79,7 +84,11 @@ def build_tiny_wan(configs=TINY, seed=0, variant="t2v"):
     experts = {}
     if variant == "a14b":
         experts = dict(transformer_2=WanTransformer3DModel(**configs["transformer"]), boundary_ratio=BOUNDARY_RATIO)
-    pipeline = WanImageToVideoPipeline if variant == "ti2v-i2v" else WanPipeline
+    if variant == "i2v-a14b":  # the noise, a mask of 4 channels and the first frame's latents, as channels
+        condition = {**configs["transformer"], "in_channels": 2 * configs["vae"]["z_dim"] + 4}
+        transformer = WanTransformer3DModel(**condition)
+        experts = dict(transformer_2=WanTransformer3DModel(**condition), boundary_ratio=I2V_BOUNDARY_RATIO)
+    pipeline = WanImageToVideoPipeline if variant in ("ti2v-i2v", "i2v-a14b") else WanPipeline
     return pipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, transformer=transformer,
                     scheduler=scheduler, expand_timesteps=ti2v, **experts)
 
@@ -89,7 +98,7 @@ def write_tiny_wan(output_dir, seed=0, variant="t2v"):
     from demo.tiny_flow import save_tiny_pipeline
 
     pipe = build_tiny_wan(seed=seed, variant=variant)
-    image = "image=first_frame, " if variant == "ti2v-i2v" else ""
+    image = "image=first_frame, " if variant in ("ti2v-i2v", "i2v-a14b") else ""
     card = (
         f"A **random-init** Wan {'image' if image else 'text'}-to-video pipeline written by `python -m "
         "demo.tiny_wan`, for offline runs, tests and benchmarks. It produces noise, not videos.\n\n```python\n"
@@ -101,10 +110,12 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--output_dir", default="models/tiny-wan", help="The pipeline folder to write.")
     parser.add_argument("--seed", type=int, default=0, help="The seed of the random weights.")
-    parser.add_argument("--variant", choices=["t2v", "ti2v", "ti2v-i2v", "a14b"], default="t2v",
+    parser.add_argument("--variant", choices=["t2v", "ti2v", "ti2v-i2v", "a14b", "i2v-a14b"], default="t2v",
                         help="t2v: Wan 2.1's layout; ti2v: Wan 2.2 TI2V-5B's (its VAE, per-token timesteps); "
                              "ti2v-i2v: the same saved as WanImageToVideoPipeline (its image-to-video mode: a first "
-                             "frame); a14b: Wan 2.2 A14B's (two experts, boundary_ratio 0.875).")
+                             "frame); a14b: Wan 2.2 A14B's (two experts, boundary_ratio 0.875); i2v-a14b: Wan 2.2 I2V "
+                             "A14B's (WanImageToVideoPipeline, two experts taking the first frame's latents and a "
+                             "mask beside the noise, 36 channels in; boundary_ratio 0.9).")
     args = parser.parse_args()
     n = write_tiny_wan(args.output_dir, args.seed, args.variant)
     print(f"wrote a random-init tiny Wan pipeline ({n / 1e6:.2f} M parameters) to {args.output_dir}")

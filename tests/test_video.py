@@ -327,8 +327,8 @@ def test_a_datasets_video_column_trains_as_clips(clips):
 
 @pytest.mark.parametrize("kind, script, needles", [
     ("a14b", "train_text_to_image.py", ["is Wan 2.2 A14B", "boundary_ratio 0.875", "train_lora.py --wan_expert"]),
-    ("i2v", "train_lora.py", ["WanImageToVideoPipeline base of Wan 2.1 I2V or Wan 2.2 I2V A14B",
-                              "Wan 2.2 TI2V-5B's image-to-video (expand_timesteps) they do"])])
+    ("i2v", "train_lora.py", ["WanImageToVideoPipeline base with an image encoder (Wan 2.1 I2V",
+                              "Wan 2.2 TI2V-5B's and Wan 2.2 I2V A14B's image-to-video they do"])])
 def test_wan_bases_not_trained_yet_are_one_line(tiny_wan, clips, kind, script, needles, tmp_path):
     base = tmp_path / kind
     shutil.copytree(tiny_wan, base)
@@ -336,8 +336,8 @@ def test_wan_bases_not_trained_yet_are_one_line(tiny_wan, clips, kind, script, n
     if kind == "a14b":  # two experts: transformer above the boundary timestep, transformer_2 below
         shutil.copytree(tiny_wan / "transformer", base / "transformer_2")
         index.update(transformer_2=["diffusers", "WanTransformer3DModel"], boundary_ratio=0.875)
-    else:
-        index["_class_name"] = "WanImageToVideoPipeline"
+    else:  # Wan 2.1 I2V: CLIP image embeddings of the first frame too
+        index.update(_class_name="WanImageToVideoPipeline", image_encoder=["transformers", "CLIPVisionModel"])
     (base / "model_index.json").write_text(json.dumps(index))
     proc = run_script(script, "--train_data_dir", clips, "--pretrained_model_name_or_path", base,
                       "--output_dir", tmp_path / "out")
@@ -504,55 +504,91 @@ def test_wan_expert_defaults_to_high_and_what_it_cannot_take_is_one_line(tiny_wa
         assert args.wan_expert == "high"
 
 
-# Wan 2.2 TI2V-5B's image-to-video (WanImageToVideoPipeline): each clip's first frame is the condition
+# Image-to-video (WanImageToVideoPipeline): each clip's own first frame is the condition. Wan 2.2 TI2V-5B: its clean
+# latents in the first latent frame's place; Wan 2.2 I2V A14B: its latents and a mask beside the noise (its low expert)
+I2V = {"ti2v-i2v": [], "i2v-a14b": ["--wan_expert", "low"]}
+
+
 @pytest.fixture(scope="module")
-def i2v_run(clips, tmp_path_factory):
+def i2v_bases(tmp_path_factory):
     from demo.tiny_wan import write_tiny_wan
 
-    base = tmp_path_factory.mktemp("models") / "tiny-wan-ti2v-i2v"
-    write_tiny_wan(str(base), variant="ti2v-i2v")
-    out = tmp_path_factory.mktemp("lora-wan-i2v") / "run"
+    bases = {variant: tmp_path_factory.mktemp("models") / f"tiny-wan-{variant}" for variant in I2V}
+    for variant, path in bases.items():
+        write_tiny_wan(str(path), variant=variant)
+    return bases
+
+
+@pytest.fixture(scope="module", params=list(I2V))
+def i2v_run(request, i2v_bases, clips, tmp_path_factory):
+    variant, base = request.param, i2v_bases[request.param]
+    out = tmp_path_factory.mktemp(f"lora-wan-{variant}") / "run"
+    steps = [flag for flag in STEPS if flag != "--cache_latents" or not I2V[variant]]  # (A14B: from the pixels)
     launch("train_lora.py", "--train_data_dir", clips, "--pretrained_model_name_or_path", base, "--output_dir", out,
-           *STEPS, *SPLIT, *VALIDATION)
-    return base, clips, out
+           *steps, *SPLIT, *VALIDATION, *I2V[variant])
+    return variant, base, clips, out
+
+
+def test_wan_22_i2v_a14bs_condition_is_its_pipelines(i2v_bases):
+    """The condition train_lora.py gives Wan 2.2 I2V A14B's experts beside each clip's noise is
+    WanImageToVideoPipeline.prepare_latents' from the clip's first frame: a 4-channel mask of the first latent frame,
+    then the normalized latents of that frame followed by black ones."""
+    from diffusers import WanImageToVideoPipeline
+
+    from common.vae import encode_params
+
+    wan = family_module("wan")
+    pipe = WanImageToVideoPipeline.from_pretrained(i2v_bases["i2v-a14b"])
+    clip = torch.rand(2, 5, 3, 32, 32, generator=torch.Generator().manual_seed(0)) * 2 - 1  # [B, F, 3, H, W]
+    ours = wan.image_condition(lambda pixels: encode_params(pipe.vae, pixels), clip, wan.latent_config(pipe.vae))
+    with torch.no_grad():
+        theirs = torch.cat([pipe.prepare_latents(clip[b:b + 1, 0], 1, 16, 32, 32, 5, torch.float32, "cpu",
+                                                 torch.Generator().manual_seed(0))[1] for b in range(2)])
+    assert ours.shape == theirs.shape == (2, 20, 2, 4, 4) and (ours - theirs).abs().max() < 1e-5
 
 
 def test_an_image_to_video_lora_loads_back_and_sample_py_draws_wanimagetovideopipelines_frames(i2v_run, tmp_path,
                                                                                               monkeypatch):
-    """The TI2V-5B image-to-video LoRA (its held-out loss on the frames after the first; validation clips from the
-    first held-out clip's first frame, written beside it for the card) loads back in WanImageToVideoPipeline within
-    1e-5, the UI file too; sample.py --image draws the pipeline's frames from that first frame within 1 level; the
-    card's snippet draws its clip."""
+    """An image-to-video LoRA (TI2V-5B's; I2V A14B's low expert: its held-out loss, validation clips from the first
+    held-out clip's first frame, written beside it for the card) loads back in WanImageToVideoPipeline within 1e-5,
+    the UI file too; sample.py --image draws the pipeline's frames from that first frame within 1 level; the card's
+    snippet draws its clip."""
     import re
 
     from diffusers import WanImageToVideoPipeline
     from peft import LoraConfig
     from peft.utils import set_peft_model_state_dict
 
+    from common.families import load_family
     from common.lora_adapters import expand_targets
 
-    base, clips, out = i2v_run
-    wan = family_module("wan")
+    variant, base, clips, out = i2v_run
+    a14b = variant == "i2v-a14b"
+    family = load_family(str(base), "--pretrained_model_name_or_path", expert="low" if a14b else None)
+    name, low = ("transformer_2", {"load_into_transformer_2": True}) if a14b else ("transformer", {})
     results = read_results(out)
     assert results["global_step"] == 4 and set(results["validation_losses"]) == {"0", "4"}
     assert json.loads((out / "lora_info.json").read_text())["num_frames"] == 5
 
-    def output(pipe):  # the transformer on a fixed clip of 2 latent frames, its first one given
-        x = torch.randn(2, 48, 2, 2, 2, generator=torch.Generator().manual_seed(0))
+    def output(pipe):  # the expert on a fixed clip of 2 latent frames, given its first frame as the family gives it
+        generator = torch.Generator().manual_seed(0)
+        x = torch.randn(2, *((16, 2, 4, 4) if a14b else (48, 2, 2, 2)), generator=generator)
         with torch.no_grad():
-            cond = wan.encode_prompts(pipe.components, wan.tokenize(pipe.components, [PROMPT] * 2, 40))
-            return wan.first_frame_denoise(pipe.transformer, x, torch.tensor([100.0, 700.0]), cond)
+            cond = family.encode_prompts(pipe.components, family.tokenize(pipe.components, [PROMPT] * 2, 40))
+            if a14b:
+                cond = {**cond, "image_condition": torch.randn(2, 20, 2, 4, 4, generator=generator)}
+            return family.denoise(getattr(pipe, name), x, torch.tensor([100.0, 700.0]), cond)
 
     reference = WanImageToVideoPipeline.from_pretrained(base)
-    reference.transformer.add_adapter(LoraConfig(r=4, lora_alpha=8, init_lora_weights="gaussian", target_modules=(
-        expand_targets(reference.transformer, wan.LORA_TARGETS.split(",")))))
-    set_peft_model_state_dict(reference.transformer,
-                              load_file(out / "checkpoint-4" / "transformer" / "adapter_model.safetensors"))
+    model = getattr(reference, name)
+    model.add_adapter(LoraConfig(r=4, lora_alpha=8, init_lora_weights="gaussian", target_modules=expand_targets(
+        model, family.LORA_TARGETS.split(","))))
+    set_peft_model_state_dict(model, load_file(out / "checkpoint-4" / name / "adapter_model.safetensors"))
     expected = output(reference)
     assert (output(WanImageToVideoPipeline.from_pretrained(base)) - expected).abs().max() > 1e-4  # it learned
     for weights in ("pytorch_lora_weights.safetensors", "pytorch_lora_weights_ui.safetensors"):
         pipe = WanImageToVideoPipeline.from_pretrained(base)
-        pipe.load_lora_weights(out, weight_name=weights)
+        pipe.load_lora_weights(out, weight_name=weights, **low)
         assert (output(pipe) - expected).abs().max() < 1e-5, weights
     assert Image.open(out / "samples" / "step-4" / "0-0.gif").n_frames == 5  # the validation clip
     first = out / "first_frame.png"  # (its first frame: the held-out clip's)
@@ -560,33 +596,34 @@ def test_an_image_to_video_lora_loads_back_and_sample_py_draws_wanimagetovideopi
     run_in_process("sample.py", "--model", out, "--prompt", PROMPT, "--image", first, "--num_images", "1",
                    "--num_inference_steps", "3", "--output_dir", tmp_path / "samples")
     grid = np.asarray(Image.open(tmp_path / "samples" / "grid.png").convert("RGB")).astype(int)
-    wan.i2v_without_ftfy()  # (diffusers 0.42's WanImageToVideoPipeline needs ftfy to clean prompts otherwise)
+    family_module("wan").i2v_without_ftfy()  # (diffusers 0.42's WanImageToVideoPipeline needs ftfy otherwise)
     frames = pipe(image=Image.open(first), prompt=PROMPT, num_frames=5, height=32, width=32, num_inference_steps=3,
                   guidance_scale=5.0, max_sequence_length=40, output_type="np",
-                  generator=torch.Generator().manual_seed(0)).frames[0]
+                  generator=torch.Generator().manual_seed(0)).frames[0]  # (A14B: t = 1000 high, 750 and 9 low)
     assert np.abs(grid - np.concatenate(list((frames * 255).round().astype(int)), axis=1)).max() <= 1
     code = re.search(r"```python\n(.*?)```", (out / "README.md").read_text(), re.S).group(1)
     assert "WanImageToVideoPipeline" in code and "image=reference" in code and str(first) in code
+    assert ("load_into_transformer_2=True" in code) == a14b
     monkeypatch.chdir(tmp_path)
     exec(compile(code.replace("num_inference_steps=50", "num_inference_steps=2"), "card", "exec"), {})
     assert Image.open(tmp_path / "sample.gif").n_frames == 5
 
 
-@pytest.mark.parametrize("script, flags, needles", [
-    ("train_text_to_image.py", [], ["is Wan 2.2 TI2V-5B's image-to-video", "which train_lora.py trains"]),
-    ("sample.py", [], ["image-to-video (WanImageToVideoPipeline): it draws from a first frame",
-                       "give --image FIRST_FRAME.png"]),
-    ("sample.py", ["--image"], ["--image:", "is a Wan text-to-video base", "leave --image out"])])
-def test_an_image_to_video_base_without_a_first_frame_is_one_line(i2v_run, tiny_wan, script, flags, needles,
-                                                                   tmp_path):
-    base, clips, out = i2v_run
-    if script == "sample.py":  # the LoRA without a first frame; a first frame for a text-to-video base
+@pytest.mark.parametrize("variant, script, flags, needles", [
+    ("ti2v-i2v", "train_text_to_image.py", [], ["is Wan 2.2 TI2V-5B's image-to-video", "which train_lora.py trains"]),
+    ("i2v-a14b", "train_lora.py", ["--cache_latents"], ["--cache_latents", "encoded from the batch's pixels"]),
+    ("i2v-a14b", "sample.py", [], ["is an image-to-video base (WanImageToVideoPipeline): it draws from a first frame",
+                                   "give --image FIRST_FRAME.png"]),
+    ("t2v", "sample.py", ["--image"], ["--image:", "is a Wan text-to-video base", "leave --image out"])])
+def test_an_image_to_video_base_without_a_first_frame_is_one_line(i2v_bases, tiny_wan, clips, variant, script, flags,
+                                                                   needles, tmp_path):
+    base = i2v_bases.get(variant, tiny_wan)
+    if script == "sample.py":  # an image-to-video base without a first frame; a first frame for a text-to-video one
         first = tmp_path / "first.png"
         Image.new("RGB", (32, 32)).save(first)
-        model, image = (tiny_wan, ["--image", first]) if flags else (out, [])
         with pytest.raises(UserError) as err:
-            run_in_process("sample.py", "--model", model, "--prompt", PROMPT, *image, "--output_dir",
-                           tmp_path / "samples")
+            run_in_process("sample.py", "--model", base, "--prompt", PROMPT, *(["--image", first] if flags else []),
+                           "--output_dir", tmp_path / "samples")
         assert all(needle in str(err.value) for needle in needles), err.value
         return
     proc = run_script(script, "--train_data_dir", clips, "--pretrained_model_name_or_path", base, "--output_dir",

@@ -171,31 +171,34 @@ def check_base(path, revision=None, cache_dir=None, expert=False):
 
 
 def image_to_video(path, revision=None, cache_dir=None):
-    """True for a base saved as WanImageToVideoPipeline with per-token timesteps (Wan 2.2 TI2V-5B in its
-    image-to-video mode), False for WanPipeline; one line for the image-to-video bases not trained here (Wan 2.1 I2V,
-    Wan 2.2 I2V A14B: the first frame's latents and mask concatenated to the noise, and Wan 2.1's CLIP image
-    embeddings)."""
+    """How a base draws from a first frame: "first_frame" for one saved as WanImageToVideoPipeline with per-token
+    timesteps (Wan 2.2 TI2V-5B's image-to-video: the frame's clean latents in the first latent frame's place),
+    "condition" for one without them or an image encoder (Wan 2.2 I2V A14B: the frame's latents and a mask
+    concatenated to the noise), False for a WanPipeline; one line for Wan 2.1 I2V (CLIP image embeddings too), which
+    is not trained here."""
     from . import read_model_index
 
     index = read_model_index(path, "--pretrained_model_name_or_path", revision, cache_dir)
     if index.get("_class_name") != I2V_PIPELINE:
         return False
-    if not index.get("expand_timesteps"):
-        raise UserError(f"'{path}' is a {I2V_PIPELINE} base of Wan 2.1 I2V or Wan 2.2 I2V A14B (the first frame's "
-                        "latents and mask concatenated to the noise), which the recipes do not train or draw yet; "
-                        "Wan 2.2 TI2V-5B's image-to-video (expand_timesteps) they do")
-    return True
+    if index.get("expand_timesteps"):
+        return "first_frame"
+    if (index.get("image_encoder") or [None])[0] is not None:
+        raise UserError(f"'{path}' is a {I2V_PIPELINE} base with an image encoder (Wan 2.1 I2V: CLIP image "
+                        "embeddings of the first frame beside its latents), which the recipes do not train or draw "
+                        "yet; Wan 2.2 TI2V-5B's and Wan 2.2 I2V A14B's image-to-video they do")
+    return "condition"
 
 
 def check_first_frame(path, flag, given, revision=None, cache_dir=None):
     """sample.py: one line for an image-to-video base (or a LoRA of one) without a first frame (--image), and for a
-    first frame on a base that does not take one (Wan 2.1 T2V, A14B: only TI2V-5B draws from one)."""
+    first frame on a text-to-video base that does not take one (Wan 2.1 T2V, A14B: only TI2V-5B's does)."""
     from . import read_model_index
 
     if image_to_video(path, revision, cache_dir):
         if not given:
-            raise UserError(f"{flag} '{path}' is Wan 2.2 TI2V-5B's image-to-video ({I2V_PIPELINE}): it draws from a "
-                            "first frame; give --image FIRST_FRAME.png")
+            raise UserError(f"{flag} '{path}' is an image-to-video base ({I2V_PIPELINE}): it draws from a first "
+                            "frame; give --image FIRST_FRAME.png")
     elif given and not read_model_index(path, flag, revision, cache_dir).get("expand_timesteps"):
         raise UserError(f"--image: {flag} '{path}' is a Wan text-to-video base; only Wan 2.2 TI2V-5B draws from a "
                         f"first frame ({I2V_PIPELINE}, expand_timesteps): leave --image out")
@@ -215,6 +218,66 @@ def first_frame_view(module):
     view.denoise = first_frame_denoise
     view.training_objective = FirstFrame
     return view
+
+
+def condition_view(view, path):
+    """The family as it trains an image-to-video LoRA of Wan 2.2 I2V A14B (`view`: an expert's), as
+    WanImageToVideoPipeline draws without expand_timesteps: beside the noisy latents, a mask (1 on the first latent
+    frame) and the latents of the clip's first frame followed by black frames (image_condition), concatenated as
+    channels (the transformer's in_channels: twice the VAE's z_dim and 4); the loss on every frame, as musubi-tuner
+    trains it. The condition is encoded from each batch's pixels (References; not --cache_latents)."""
+    import types
+
+    from ..base_models import component_configs
+
+    configs = component_configs(path, ("vae", "transformer"))
+    want = 2 * configs["vae"].get("z_dim", 16) + 4
+    if configs["transformer"].get("in_channels") != want:
+        raise UserError(f"'{path}' is a {I2V_PIPELINE} base whose transformer takes in_channels "
+                        f"{configs['transformer'].get('in_channels')}, not the {want} of the noise, the mask and the "
+                        "first frame's latents: give a Wan 2.2 I2V A14B base")
+    if not isinstance(view, types.SimpleNamespace):  # (the module itself: a base with one transformer)
+        view = types.SimpleNamespace(**{k: v for k, v in vars(view).items() if not k.startswith("__")})
+    view.PIPELINE = I2V_PIPELINE
+    view.FIRST_FRAME = True
+    view.IMAGE_CONDITION = True
+    view.denoise = condition_denoise
+    view.image_condition = image_condition
+    expert = getattr(view, "EXPERT", None)
+    view.base_metadata = lambda config, prediction_type: {  # musubi-tuner's name for it, the expert in ModelSpec's
+        "ss_base_model_version": "wan2.2_i2v_a14b", "modelspec.architecture": f"wan2.2-i2v-a14b/lora-{expert}"}
+    return view
+
+
+def image_condition(encode, pixels, latent_config):
+    """WanImageToVideoPipeline's condition (prepare_latents, no last frame) for clips [B, F, 3, H, W] (an image [B,
+    3, H, W]: a clip of one frame): a mask [B, 4, f, h, w], 1 on the first latent frame (its 4 frames' worth), then
+    the normalized mode of the latents of the first frame followed by black frames. encode(pixels) -> the VAE's
+    latent-distribution parameters (train_lora.py's)."""
+    import torch
+
+    from ..vae import normalize
+
+    clip = pixels if pixels.ndim == 5 else pixels[:, None]
+    video = torch.zeros_like(clip)
+    video[:, 0] = clip[:, 0]
+    params = encode(video)
+    means = params.chunk(2, dim=1)[0].float()
+    means = normalize(latent_config, means if means.ndim == 5 else means[:, :, None])
+    mask = torch.zeros(means.shape[0], 4, *means.shape[2:], dtype=means.dtype, device=means.device)
+    mask[:, :, 0] = 1
+    return torch.cat([mask, means], dim=1)
+
+
+def condition_denoise(transformer, noisy, timesteps, cond, guidance=None):
+    """denoise with WanImageToVideoPipeline's condition (cond["image_condition"]) concatenated to the noisy latents as
+    channels (an image's [B, C, h, w]: one frame)."""
+    import torch
+
+    image = noisy.ndim == 4
+    x = noisy[:, :, None] if image else noisy
+    out = denoise(transformer, torch.cat([x, cond["image_condition"].to(x.dtype)], dim=1), timesteps, cond)
+    return out[:, :, 0] if image else out
 
 
 def first_frame_denoise(transformer, noisy, timesteps, cond, guidance=None):
@@ -300,8 +363,10 @@ def expert_family(path, expert, revision=None, cache_dir=None):
 
     module = sys.modules[__name__]
     expert = check_base(path, revision, cache_dir, expert)
+    kind = image_to_video(path, revision, cache_dir)
     if expert is None:
-        return first_frame_view(module) if image_to_video(path, revision, cache_dir) else module
+        return {"first_frame": first_frame_view, "condition": lambda m: condition_view(m, path)}.get(
+            kind, lambda m: m)(module)
     ratio = boundary_ratio(path, revision, cache_dir)
     view = types.SimpleNamespace(**{k: v for k, v in vars(module).items() if not k.startswith("__")})
     view.COMPONENTS = {**COMPONENTS, "transformer_2": COMPONENTS["transformer"]}
@@ -318,14 +383,14 @@ def expert_family(path, expert, revision=None, cache_dir=None):
             ("", expert_family(path, "high", revision, cache_dir), {"transformer": models["transformer"].transformer}),
             (LOW_FOLDER, expert_family(path, "low", revision, cache_dir),
              {"transformer_2": models["transformer"].transformer_2})]
-        return view
+        return condition_view(view, path) if kind == "condition" else view
     view.DENOISER = EXPERTS[expert]
     view.FROZEN_EXPERTS = tuple(name for name in EXPERTS.values() if name != view.DENOISER)
     # the training timesteps, in units of num_train_timesteps: [low, high)
     view.TIMESTEP_RANGE = (ratio, float("inf")) if expert == "high" else (float("-inf"), ratio)
     view.LORA_FILE_DENOISER = "transformer"  # WanPipeline.save_lora_weights' only name; the loader picks the expert
     view.ui_lora = lambda states, alpha, config: named_lora(states[view.DENOISER], alpha, ui_name, DIFFUSERS_SUFFIXES)
-    return view
+    return condition_view(view, path) if kind == "condition" else view
 
 
 def lora_expert(path, metadata):
