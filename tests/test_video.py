@@ -440,14 +440,16 @@ def test_an_a14b_experts_lora_loads_into_that_expert_with_wanpipelines_loader_an
         right = drawn(lambda pipe: load_expert_loras(pipe, out, expert))
         wrong = drawn(lambda pipe: pipe.load_lora_weights(out, load_into_transformer_2=expert == "high"))
         assert np.abs(right - wrong).max() > 4  # (the expert it loads into shows)
-        shutil.copy(out / "pytorch_lora_weights.safetensors", tmp_path / "bare.safetensors")
-        for lora in (out / "pytorch_lora_weights.safetensors", tmp_path / "bare.safetensors"):
-            assert family_module("wan").lora_expert(str(lora), lora_file_metadata(str(lora))) == expert
-            run_in_process("sample.py", "--model", base, "--lora", lora, "--prompt", PROMPT, "--num_images", "1",
-                           "--num_inference_steps", "3", "--num_frames", "5", "--height", "32", "--width", "32",
-                           "--max_sequence_length", "40", "--output_dir", tmp_path / lora.stem)
-            grid = np.asarray(Image.open(tmp_path / lora.stem / "grid.png").convert("RGB")).astype(int)
-            assert np.abs(grid - right).max() <= 1, lora
+        lora = tmp_path / "bare.safetensors"  # (a copy alone: no lora_info.json beside it)
+        shutil.copy(out / "pytorch_lora_weights.safetensors", lora)
+        for path in (out / "pytorch_lora_weights.safetensors", lora):
+            assert family_module("wan").lora_expert(str(path), lora_file_metadata(str(path))) == expert
+        assert family_module("wan").lora_expert(str(lora), {}) is None  # (says nothing: diffusers' default, high)
+        run_in_process("sample.py", "--model", base, "--lora", lora, "--prompt", PROMPT, "--num_images", "1",
+                       "--num_inference_steps", "3", "--num_frames", "5", "--height", "32", "--width", "32",
+                       "--max_sequence_length", "40", "--output_dir", tmp_path / "bare")
+        grid = np.asarray(Image.open(tmp_path / "bare" / "grid.png").convert("RGB")).astype(int)
+        assert np.abs(grid - right).max() <= 1
     card = (out / "README.md").read_text()
     assert ("load_into_transformer_2=True" in card) == (expert != "high")
     if expert == "both":  # inspect_pipeline.py: both LoRAs, and the expert of each step
