@@ -172,6 +172,9 @@ def x0_from_prediction(scheduler, model_output, t, sample):
 
 def trace_sd(pipe, args, rec, generator, steps_kept):
     """One real StableDiffusionPipeline-style call; -> (how it was recorded, images)."""
+    if type(pipe).__name__ == getattr(pipeline_family(pipe), "I2V_PIPELINE", None):  # (Wan image-to-video)
+        raise UserError(f"--trace: {type(pipe).__name__} draws from a first frame, which inspect_pipeline.py does not "
+                        "take; leave --trace out (the report), or draw it with sample.py --image")
     calls = {}
     for name, component in pipe.components.items():
         if name.startswith("text_encoder") and component is not None:

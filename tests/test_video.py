@@ -5,6 +5,7 @@ too), an exact resume, the validation clip, sample.py's clips against WanPipelin
 clips that do not fit; Wan 2.2 A14B's experts (--wan_expert high, low, both) on its tiny two-expert build. (Wan on
 images, one frame each, is one family of tests/test_lora_flow.py.)"""
 import json
+import re
 import shutil
 import sys
 
@@ -555,8 +556,6 @@ def test_an_image_to_video_lora_loads_back_and_sample_py_draws_wanimagetovideopi
     held-out clip's first frame, written beside it for the card) loads back in WanImageToVideoPipeline within 1e-5,
     the UI file too; sample.py --image draws the pipeline's frames from that first frame within 1 level; the card's
     snippet draws its clip."""
-    import re
-
     from diffusers import WanImageToVideoPipeline
     from peft import LoraConfig
     from peft.utils import set_peft_model_state_dict
@@ -616,10 +615,16 @@ def test_an_image_to_video_lora_loads_back_and_sample_py_draws_wanimagetovideopi
     ("i2v-a14b", "train_lora.py", ["--cache_latents"], ["--cache_latents", "encoded from the batch's pixels"]),
     ("i2v-a14b", "sample.py", [], ["is an image-to-video base (WanImageToVideoPipeline): it draws from a first frame",
                                    "give --image FIRST_FRAME.png"]),
-    ("t2v", "sample.py", ["--image"], ["--image:", "is a Wan text-to-video base", "leave --image out"])])
+    ("t2v", "sample.py", ["--image"], ["--image:", "is a Wan text-to-video base", "leave --image out"]),
+    ("ti2v-i2v", "inspect_pipeline.py", ["--trace"], ["--trace: WanImageToVideoPipeline draws from a first frame",
+                                                      "sample.py --image"])])
 def test_an_image_to_video_base_without_a_first_frame_is_one_line(i2v_bases, tiny_wan, clips, variant, script, flags,
                                                                    needles, tmp_path):
     base = i2v_bases.get(variant, tiny_wan)
+    if script == "inspect_pipeline.py":
+        with pytest.raises(UserError, match=re.escape(needles[0])):
+            run_in_process(script, base, *flags, "--num_inference_steps", "1")
+        return
     if script == "sample.py":  # an image-to-video base without a first frame; a first frame for a text-to-video one
         first = tmp_path / "first.png"
         Image.new("RGB", (32, 32)).save(first)
