@@ -610,6 +610,21 @@ def test_an_image_to_video_lora_loads_back_and_sample_py_draws_wanimagetovideopi
     assert Image.open(tmp_path / "sample.gif").n_frames == 5
 
 
+@pytest.mark.parametrize("i2v_run", ["i2v-a14b"], indirect=True)
+def test_an_i2v_a14b_run_resumes_exactly(i2v_run, tmp_path):
+    """Wan 2.2 I2V A14B's run (its condition encoded from the batch's pixels, the held-out clips' once) resumed from
+    checkpoint-2 ends where the straight run ends."""
+    variant, base, clips, out = i2v_run
+    resumed = tmp_path / "run"
+    shutil.copytree(out / "checkpoint-2", resumed / "checkpoint-2")
+    launch("train_lora.py", "--train_data_dir", clips, "--pretrained_model_name_or_path", base, "--output_dir", resumed,
+           *[flag for flag in STEPS if flag != "--cache_latents"], *SPLIT, *I2V[variant], "--resume_from_checkpoint",
+           "latest")
+    straight, again = (load_file(run / "checkpoint-4" / "transformer_2" / "adapter_model.safetensors")
+                       for run in (out, resumed))
+    assert straight.keys() == again.keys() and all(torch.equal(straight[k], again[k]) for k in straight)
+
+
 @pytest.mark.parametrize("variant, script, flags, needles", [
     ("ti2v-i2v", "train_text_to_image.py", [], ["is Wan 2.2 TI2V-5B's image-to-video", "which train_lora.py trains"]),
     ("i2v-a14b", "train_lora.py", ["--cache_latents"], ["--cache_latents", "encoded from the batch's pixels"]),
