@@ -290,7 +290,7 @@ class References:
     batch (`refs(batch, encode, latent_config)`: {"reference_latents": [...]}, or {} for a batch without them or a
     text-to-image run), of held-out images (`held_out`), and `validation`, the validation prompts' references (PIL).
     `condition(encode, pixels, latent_config)`: an image-to-video family's condition of each clip, from its own pixels
-    (Wan 2.2 I2V A14B: {"image_condition": ...}; no references then)."""
+    (Wan I2V: {"image_condition": ..., Wan 2.1's "image_embeds": ...}; no references then)."""
 
     def __init__(self, count, train=None, held_out=None, validation=None, condition=None):
         import torch
@@ -310,7 +310,7 @@ class References:
     def __call__(self, batch, encode, latent_config):
         """A training batch's reference latents (cached with --cache_latents, else encoded now)."""
         if self.condition is not None:
-            return {"image_condition": self.condition(encode, batch["pixel_values"], latent_config)}
+            return self.condition(encode, batch["pixel_values"], latent_config)
         if not self.count or not (self.all_present or self.present[batch["index"].cpu()].all()):
             return {}
         from .image_data import reference_means
@@ -330,8 +330,9 @@ class References:
         if self.condition is not None:  # (each held-out clip's, encoded once)
             for i in ids.tolist():
                 if i not in self.held_out_cache:
-                    self.held_out_cache[i] = self.condition(encode, data[i]["pixel_values"][None], latent_config)[0]
-            return {"image_condition": torch.stack([self.held_out_cache[i] for i in ids.tolist()])}
+                    self.held_out_cache[i] = self.condition(encode, data[i]["pixel_values"][None], latent_config)
+            return {key: torch.cat([self.held_out_cache[i][key] for i in ids.tolist()]) for key in
+                    self.held_out_cache[ids[0].item()]}
         if not self.count:
             return {}
         for i in ids.tolist():

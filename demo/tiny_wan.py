@@ -19,6 +19,8 @@ the same saved as WanImageToVideoPipeline, TI2V-5B's image-to-video (no image en
 latents take the first latent frame's place); --variant i2v-a14b: Wan 2.2 I2V A14B's layout, two experts whose
 transformers take 36 channels (the noise, a 4-channel mask of the first frame, the latents of the first frame followed
 by black frames), switched at boundary_ratio 0.9, saved as WanImageToVideoPipeline without an image encoder.
+--variant i2v: Wan 2.1 I2V's layout, the same transformer taking the 36 channels and the first frame's CLIP image
+embeddings (a CLIP vision model 4 wide, its image processor at 32 px), saved as WanImageToVideoPipeline.
 --variant a14b: Wan 2.2 A14B's layout, Wan 2.1's VAE and two experts of the same shape, `transformer` (high noise)
 and `transformer_2` (low noise, its own random weights), switched at boundary_ratio 0.875 as the real model's (t >= 875:
 `transformer`).
@@ -48,6 +50,10 @@ TINY = {
 }
 BOUNDARY_RATIO = 0.875  # Wan-AI/Wan2.2-T2V-A14B-Diffusers' model_index.json
 I2V_BOUNDARY_RATIO = 0.9  # Wan-AI/Wan2.2-I2V-A14B-Diffusers' model_index.json
+I2V_VARIANTS = ("i2v", "ti2v-i2v", "i2v-a14b")  # saved as WanImageToVideoPipeline
+# Wan 2.1 I2V's image encoder (diffusers' tests/pipelines/wan/test_wan_image_to_video.py): a CLIP vision model 4 wide
+TINY_CLIP = dict(hidden_size=4, projection_dim=4, num_hidden_layers=2, num_attention_heads=2, image_size=32,
+                 intermediate_size=16, patch_size=1)
 
 
 def build_tiny_wan(configs=TINY, seed=0, variant="t2v"):
@@ -84,13 +90,21 @@ def build_tiny_wan(configs=TINY, seed=0, variant="t2v"):
     experts = {}
     if variant == "a14b":
         experts = dict(transformer_2=WanTransformer3DModel(**configs["transformer"]), boundary_ratio=BOUNDARY_RATIO)
+    clip = {}
+    if variant == "i2v":  # Wan 2.1 I2V: the first frame's CLIP image embeddings too (diffusers' tests' CLIP)
+        from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel
+
+        transformer = WanTransformer3DModel(**{**configs["transformer"], "in_channels": 2 * configs["vae"]["z_dim"] + 4,
+                                               "image_dim": TINY_CLIP["hidden_size"]})
+        clip = dict(image_encoder=CLIPVisionModel(CLIPVisionConfig(**TINY_CLIP)).eval(),
+                    image_processor=CLIPImageProcessor(crop_size=32, size=32))
     if variant == "i2v-a14b":  # the noise, a mask of 4 channels and the first frame's latents, as channels
         condition = {**configs["transformer"], "in_channels": 2 * configs["vae"]["z_dim"] + 4}
         transformer = WanTransformer3DModel(**condition)
         experts = dict(transformer_2=WanTransformer3DModel(**condition), boundary_ratio=I2V_BOUNDARY_RATIO)
-    pipeline = WanImageToVideoPipeline if variant in ("ti2v-i2v", "i2v-a14b") else WanPipeline
+    pipeline = WanImageToVideoPipeline if variant in I2V_VARIANTS else WanPipeline
     return pipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, transformer=transformer,
-                    scheduler=scheduler, expand_timesteps=ti2v, **experts)
+                    scheduler=scheduler, expand_timesteps=ti2v, **experts, **clip)
 
 
 def write_tiny_wan(output_dir, seed=0, variant="t2v"):
@@ -98,7 +112,7 @@ def write_tiny_wan(output_dir, seed=0, variant="t2v"):
     from demo.tiny_flow import save_tiny_pipeline
 
     pipe = build_tiny_wan(seed=seed, variant=variant)
-    image = "image=first_frame, " if variant in ("ti2v-i2v", "i2v-a14b") else ""
+    image = "image=first_frame, " if variant in I2V_VARIANTS else ""
     card = (
         f"A **random-init** Wan {'image' if image else 'text'}-to-video pipeline written by `python -m "
         "demo.tiny_wan`, for offline runs, tests and benchmarks. It produces noise, not videos.\n\n```python\n"
@@ -110,8 +124,9 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--output_dir", default="models/tiny-wan", help="The pipeline folder to write.")
     parser.add_argument("--seed", type=int, default=0, help="The seed of the random weights.")
-    parser.add_argument("--variant", choices=["t2v", "ti2v", "ti2v-i2v", "a14b", "i2v-a14b"], default="t2v",
-                        help="t2v: Wan 2.1's layout; ti2v: Wan 2.2 TI2V-5B's (its VAE, per-token timesteps); "
+    parser.add_argument("--variant", choices=["t2v", "i2v", "ti2v", "ti2v-i2v", "a14b", "i2v-a14b"], default="t2v",
+                        help="t2v: Wan 2.1's layout; i2v: Wan 2.1 I2V's (WanImageToVideoPipeline, a CLIP image "
+                             "encoder, 36 channels in); ti2v: Wan 2.2 TI2V-5B's (its VAE, per-token timesteps); "
                              "ti2v-i2v: the same saved as WanImageToVideoPipeline (its image-to-video mode: a first "
                              "frame); a14b: Wan 2.2 A14B's (two experts, boundary_ratio 0.875); i2v-a14b: Wan 2.2 I2V "
                              "A14B's (WanImageToVideoPipeline, two experts taking the first frame's latents and a "

@@ -328,8 +328,8 @@ def test_a_datasets_video_column_trains_as_clips(clips):
 
 @pytest.mark.parametrize("kind, script, needles", [
     ("a14b", "train_text_to_image.py", ["is Wan 2.2 A14B", "boundary_ratio 0.875", "train_lora.py --wan_expert"]),
-    ("i2v", "train_lora.py", ["WanImageToVideoPipeline base with an image encoder (Wan 2.1 I2V",
-                              "Wan 2.2 TI2V-5B's and Wan 2.2 I2V A14B's image-to-video they do"])])
+    ("i2v", "train_lora.py", ["WanImageToVideoPipeline base whose transformer takes in_channels 16, not the 36",
+                              "give a Wan 2.2 I2V A14B or Wan 2.1 I2V base"])])
 def test_wan_bases_not_trained_yet_are_one_line(tiny_wan, clips, kind, script, needles, tmp_path):
     base = tmp_path / kind
     shutil.copytree(tiny_wan, base)
@@ -337,8 +337,8 @@ def test_wan_bases_not_trained_yet_are_one_line(tiny_wan, clips, kind, script, n
     if kind == "a14b":  # two experts: transformer above the boundary timestep, transformer_2 below
         shutil.copytree(tiny_wan / "transformer", base / "transformer_2")
         index.update(transformer_2=["diffusers", "WanTransformer3DModel"], boundary_ratio=0.875)
-    else:  # Wan 2.1 I2V: CLIP image embeddings of the first frame too
-        index.update(_class_name="WanImageToVideoPipeline", image_encoder=["transformers", "CLIPVisionModel"])
+    else:  # a text-to-video transformer (16 channels in) under the image-to-video pipeline
+        index["_class_name"] = "WanImageToVideoPipeline"
     (base / "model_index.json").write_text(json.dumps(index))
     proc = run_script(script, "--train_data_dir", clips, "--pretrained_model_name_or_path", base,
                       "--output_dir", tmp_path / "out")
@@ -508,8 +508,9 @@ def test_wan_expert_defaults_to_high_and_what_it_cannot_take_is_one_line(tiny_wa
 
 
 # Image-to-video (WanImageToVideoPipeline): each clip's own first frame is the condition. Wan 2.2 TI2V-5B: its clean
-# latents in the first latent frame's place; Wan 2.2 I2V A14B: its latents and a mask beside the noise (its low expert)
-I2V = {"ti2v-i2v": [], "i2v-a14b": ["--wan_expert", "low"]}
+# latents in the first latent frame's place; Wan 2.2 I2V A14B: its latents and a mask beside the noise (its low
+# expert); Wan 2.1 I2V: the same, and its CLIP image embeddings
+I2V = {"ti2v-i2v": [], "i2v-a14b": ["--wan_expert", "low"], "i2v": []}
 
 
 @pytest.fixture(scope="module")
@@ -526,28 +527,39 @@ def i2v_bases(tmp_path_factory):
 def i2v_run(request, i2v_bases, clips, tmp_path_factory):
     variant, base = request.param, i2v_bases[request.param]
     out = tmp_path_factory.mktemp(f"lora-wan-{variant}") / "run"
-    steps = [flag for flag in STEPS if flag != "--cache_latents" or not I2V[variant]]  # (A14B: from the pixels)
+    steps = [flag for flag in STEPS if flag != "--cache_latents" or variant == "ti2v-i2v"]  # (else: from the pixels)
     launch("train_lora.py", "--train_data_dir", clips, "--pretrained_model_name_or_path", base, "--output_dir", out,
            *steps, *SPLIT, *VALIDATION, *I2V[variant])
     return variant, base, clips, out
 
 
-def test_wan_22_i2v_a14bs_condition_is_its_pipelines(i2v_bases):
-    """The condition train_lora.py gives Wan 2.2 I2V A14B's experts beside each clip's noise is
-    WanImageToVideoPipeline.prepare_latents' from the clip's first frame: a 4-channel mask of the first latent frame,
-    then the normalized latents of that frame followed by black ones."""
+@pytest.mark.parametrize("variant", ["i2v-a14b", "i2v"])
+def test_the_i2v_condition_is_its_pipelines(i2v_bases, variant):
+    """The condition train_lora.py gives Wan 2.2 I2V A14B's experts (and Wan 2.1 I2V's transformer) beside each clip's
+    noise is WanImageToVideoPipeline.prepare_latents' from the clip's first frame: a 4-channel mask of the first
+    latent frame, then the normalized latents of that frame followed by black ones; Wan 2.1 I2V's CLIP image
+    embeddings are its encode_image's of that frame as a picture."""
     from diffusers import WanImageToVideoPipeline
 
+    from common.families import load_family
     from common.vae import encode_params
 
-    wan = family_module("wan")
-    pipe = WanImageToVideoPipeline.from_pretrained(i2v_bases["i2v-a14b"])
-    clip = torch.rand(2, 5, 3, 32, 32, generator=torch.Generator().manual_seed(0)) * 2 - 1  # [B, F, 3, H, W]
-    ours = wan.image_condition(lambda pixels: encode_params(pipe.vae, pixels), clip, wan.latent_config(pipe.vae))
+    family = load_family(str(i2v_bases[variant]), "--pretrained_model_name_or_path",
+                         expert="low" if variant == "i2v-a14b" else None)
+    pipe = WanImageToVideoPipeline.from_pretrained(i2v_bases[variant])
+    clip = torch.randint(0, 256, (2, 5, 3, 32, 32), generator=torch.Generator().manual_seed(0)) / 127.5 - 1
+    ours = family.image_condition(lambda pixels: encode_params(pipe.vae, pixels), clip, family.latent_config(pipe.vae))
     with torch.no_grad():
         theirs = torch.cat([pipe.prepare_latents(clip[b:b + 1, 0], 1, 16, 32, 32, 5, torch.float32, "cpu",
                                                  torch.Generator().manual_seed(0))[1] for b in range(2)])
-    assert ours.shape == theirs.shape == (2, 20, 2, 4, 4) and (ours - theirs).abs().max() < 1e-5
+    assert ours["image_condition"].shape == theirs.shape == (2, 20, 2, 4, 4)
+    assert (ours["image_condition"] - theirs).abs().max() < 1e-5
+    assert ("image_embeds" in ours) == (variant == "i2v")
+    if variant == "i2v":  # the first frame as the 8-bit picture the pipeline is given
+        frames = [Image.fromarray(((clip[b, 0] + 1) * 127.5).round().byte().permute(1, 2, 0).numpy()) for b in (0, 1)]
+        with torch.no_grad():
+            embeds = pipe.encode_image(frames, "cpu")
+        assert (ours["image_embeds"] - embeds).abs().max() < 1e-5
 
 
 def test_an_image_to_video_lora_loads_back_and_sample_py_draws_wanimagetovideopipelines_frames(i2v_run, tmp_path,
@@ -573,11 +585,13 @@ def test_an_image_to_video_lora_loads_back_and_sample_py_draws_wanimagetovideopi
 
     def output(pipe):  # the expert on a fixed clip of 2 latent frames, given its first frame as the family gives it
         generator = torch.Generator().manual_seed(0)
-        x = torch.randn(2, *((16, 2, 4, 4) if a14b else (48, 2, 2, 2)), generator=generator)
+        x = torch.randn(2, *((48, 2, 2, 2) if variant == "ti2v-i2v" else (16, 2, 4, 4)), generator=generator)
         with torch.no_grad():
             cond = family.encode_prompts(pipe.components, family.tokenize(pipe.components, [PROMPT] * 2, 40))
-            if a14b:
-                cond = {**cond, "image_condition": torch.randn(2, 20, 2, 4, 4, generator=generator)}
+            if variant != "ti2v-i2v":  # (the mask and condition latents; Wan 2.1: CLIP's 32 x 32 + 1 embeddings)
+                cond["image_condition"] = torch.randn(2, 20, 2, 4, 4, generator=generator)
+            if variant == "i2v":
+                cond["image_embeds"] = torch.randn(2, 1025, 4, generator=generator)
             return family.denoise(getattr(pipe, name), x, torch.tensor([100.0, 700.0]), cond)
 
     reference = WanImageToVideoPipeline.from_pretrained(base)

@@ -173,21 +173,14 @@ def check_base(path, revision=None, cache_dir=None, expert=False):
 def image_to_video(path, revision=None, cache_dir=None):
     """How a base draws from a first frame: "first_frame" for one saved as WanImageToVideoPipeline with per-token
     timesteps (Wan 2.2 TI2V-5B's image-to-video: the frame's clean latents in the first latent frame's place),
-    "condition" for one without them or an image encoder (Wan 2.2 I2V A14B: the frame's latents and a mask
-    concatenated to the noise), False for a WanPipeline; one line for Wan 2.1 I2V (CLIP image embeddings too), which
-    is not trained here."""
+    "condition" for one without them (Wan 2.2 I2V A14B, Wan 2.1 I2V: the frame's latents and a mask concatenated to
+    the noise; Wan 2.1's its CLIP image embeddings too), False for a WanPipeline."""
     from . import read_model_index
 
     index = read_model_index(path, "--pretrained_model_name_or_path", revision, cache_dir)
     if index.get("_class_name") != I2V_PIPELINE:
         return False
-    if index.get("expand_timesteps"):
-        return "first_frame"
-    if (index.get("image_encoder") or [None])[0] is not None:
-        raise UserError(f"'{path}' is a {I2V_PIPELINE} base with an image encoder (Wan 2.1 I2V: CLIP image "
-                        "embeddings of the first frame beside its latents), which the recipes do not train or draw "
-                        "yet; Wan 2.2 TI2V-5B's and Wan 2.2 I2V A14B's image-to-video they do")
-    return "condition"
+    return "first_frame" if index.get("expand_timesteps") else "condition"
 
 
 def check_first_frame(path, flag, given, revision=None, cache_dir=None):
@@ -225,17 +218,24 @@ def condition_view(view, path):
     WanImageToVideoPipeline draws without expand_timesteps: beside the noisy latents, a mask (1 on the first latent
     frame) and the latents of the clip's first frame followed by black frames (image_condition), concatenated as
     channels (the transformer's in_channels: twice the VAE's z_dim and 4); the loss on every frame, as musubi-tuner
-    trains it. The condition is encoded from each batch's pixels (References; not --cache_latents)."""
+    trains it. The condition is encoded from each batch's pixels (References; not --cache_latents). A base with an
+    image encoder (Wan 2.1 I2V) gets the first frame's CLIP image embeddings too (image_embeds), from its image
+    encoder, loaded here (for validation's pipeline too: PIPELINE_EXTRAS)."""
     import types
 
     from ..base_models import component_configs
+    from . import read_model_index
 
     configs = component_configs(path, ("vae", "transformer"))
+    clip = (read_model_index(path, "--pretrained_model_name_or_path").get("image_encoder") or [None])[0] is not None
+    if clip and not configs["transformer"].get("image_dim"):
+        raise UserError(f"'{path}' is a {I2V_PIPELINE} base with an image encoder whose transformer takes no image "
+                        "embeddings (its config's image_dim): give a Wan 2.1 I2V base")
     want = 2 * configs["vae"].get("z_dim", 16) + 4
     if configs["transformer"].get("in_channels") != want:
         raise UserError(f"'{path}' is a {I2V_PIPELINE} base whose transformer takes in_channels "
                         f"{configs['transformer'].get('in_channels')}, not the {want} of the noise, the mask and the "
-                        "first frame's latents: give a Wan 2.2 I2V A14B base")
+                        "first frame's latents: give a Wan 2.2 I2V A14B or Wan 2.1 I2V base")
     if not isinstance(view, types.SimpleNamespace):  # (the module itself: a base with one transformer)
         view = types.SimpleNamespace(**{k: v for k, v in vars(view).items() if not k.startswith("__")})
     view.PIPELINE = I2V_PIPELINE
@@ -246,14 +246,42 @@ def condition_view(view, path):
     expert = getattr(view, "EXPERT", None)
     view.base_metadata = lambda config, prediction_type: {  # musubi-tuner's name for it, the expert in ModelSpec's
         "ss_base_model_version": "wan2.2_i2v_a14b", "modelspec.architecture": f"wan2.2-i2v-a14b/lora-{expert}"}
+    if clip:
+        import transformers  # (the image encoder's and processor's classes, as model_index.json names them)
+
+        index = read_model_index(path, "--pretrained_model_name_or_path")
+        encoder = getattr(transformers, index["image_encoder"][1]).from_pretrained(path, subfolder="image_encoder")
+        processor = getattr(transformers, index["image_processor"][1]).from_pretrained(path,
+                                                                                        subfolder="image_processor")
+        encoder.requires_grad_(False).eval()
+        view.PIPELINE_EXTRAS = {**view.PIPELINE_EXTRAS, "image_encoder": encoder, "image_processor": processor}
+        view.image_condition = lambda encode, pixels, latent_config: {
+            **image_condition(encode, pixels, latent_config), "image_embeds": image_embeds(encoder, processor, pixels)}
+        view.base_metadata = lambda config, prediction_type: {"ss_base_model_version": "wan2.1_i2v",
+                                                              "modelspec.architecture": "wan2.1-i2v/lora"}
     return view
+
+
+def image_embeds(encoder, processor, pixels):
+    """WanImageToVideoPipeline's encode_image of each clip's first frame (pixels [B, F, 3, H, W] in [-1, 1]; an
+    image [B, 3, H, W]) as the 8-bit picture the pipeline is given: the penultimate hidden states of the CLIP vision
+    model over the image processor's input."""
+    import torch
+
+    first = pixels[:, 0] if pixels.ndim == 5 else pixels
+    frames = ((first.float() + 1) * 127.5).round().clamp(0, 255).to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
+    inputs = processor(images=list(frames), return_tensors="pt").pixel_values
+    encoder.to(pixels.device)
+    with torch.no_grad():
+        states = encoder(pixel_values=inputs.to(pixels.device, encoder.dtype), output_hidden_states=True)
+    return states.hidden_states[-2]
 
 
 def image_condition(encode, pixels, latent_config):
     """WanImageToVideoPipeline's condition (prepare_latents, no last frame) for clips [B, F, 3, H, W] (an image [B,
     3, H, W]: a clip of one frame): a mask [B, 4, f, h, w], 1 on the first latent frame (its 4 frames' worth), then
-    the normalized mode of the latents of the first frame followed by black frames. encode(pixels) -> the VAE's
-    latent-distribution parameters (train_lora.py's)."""
+    the normalized mode of the latents of the first frame followed by black frames, as {"image_condition": ...}.
+    encode(pixels) -> the VAE's latent-distribution parameters (train_lora.py's)."""
     import torch
 
     from ..vae import normalize
@@ -266,7 +294,7 @@ def image_condition(encode, pixels, latent_config):
     means = normalize(latent_config, means if means.ndim == 5 else means[:, :, None])
     mask = torch.zeros(means.shape[0], 4, *means.shape[2:], dtype=means.dtype, device=means.device)
     mask[:, :, 0] = 1
-    return torch.cat([mask, means], dim=1)
+    return {"image_condition": torch.cat([mask, means], dim=1)}
 
 
 def condition_denoise(transformer, noisy, timesteps, cond, guidance=None):
@@ -496,10 +524,12 @@ empty_prompt_zeros = no_empty_prompt_zeros
 
 def denoise(transformer, noisy, timesteps, cond, guidance=None):
     """The velocity noise - x0 for noisy latents [B, C, F, h, w] (an image's [B, C, h, w]: one frame), as the pipeline
-    calls the transformer: the timestep in the scheduler's units, the padded prompt embeddings."""
+    calls the transformer: the timestep in the scheduler's units, the padded prompt embeddings (Wan 2.1 I2V: and the
+    first frame's CLIP image embeddings, cond["image_embeds"])."""
     image = noisy.ndim == 4
     out = transformer(hidden_states=noisy[:, :, None] if image else noisy, timestep=timesteps,
-                      encoder_hidden_states=cond["prompt_embeds"], return_dict=False)[0]
+                      encoder_hidden_states=cond["prompt_embeds"], return_dict=False,
+                      **({"encoder_hidden_states_image": cond["image_embeds"]} if "image_embeds" in cond else {}))[0]
     return out[:, :, 0] if image else out
 
 
