@@ -89,8 +89,8 @@ def parse_args(argv=None):
     parser.add_argument("--image", action="append", default=[],
                         help="A reference image to edit (repeatable, as many as the base takes): draws with the "
                              "family's edit pipeline (Flux.1: FluxKontextPipeline, one image; FLUX.2: its own "
-                             "pipeline, up to 4 for klein and 6 for dev, each at least 64 px a side); Wan 2.2 "
-                             "TI2V-5B and I2V A14B: the clip's first frame (WanImageToVideoPipeline).")
+                             "pipeline, up to 4 for klein and 6 for dev, each at least 64 px a side); Wan's "
+                             "image-to-video bases: the clip's first frame (WanImageToVideoPipeline).")
     parser.add_argument("--lora_scale", type=float, nargs="+", default=[1.0],
                         help="Multiplies every LoRA's scale; several values (e.g. 0 0.5 1) draw every prompt and "
                              "seed at each, a grid row per scale and prompt (0: the base alone).")

@@ -1,9 +1,9 @@
-"""Wan 2.1 text-to-video and Wan 2.2 TI2V-5B in its text-to-video mode (WanPipeline): a 3-D transformer trained by flow
-matching on the latents of a 3-D causal VAE (AutoencoderKLWan: 4x fewer frames, 8x fewer pixels a side, 16 channels
-normalised by its config's per-channel latents_mean and latents_std, no scaling factor), which it cuts into 1 x 2 x 2
-patches itself, conditioned on the last hidden states of UMT5 over the cleaned prompt (the pipeline's prompt_clean),
-zeros after each prompt's end, no mask given to the transformer. The transformer takes the timestep in the
-scheduler's units (sigma x 1000) and predicts the velocity noise - x0; the training sigmas are the scheduler's,
+"""Wan 2.1 and 2.2 text-to-video (WanPipeline) and image-to-video (WanImageToVideoPipeline): a 3-D transformer trained
+by flow matching on the latents of a 3-D causal VAE (AutoencoderKLWan: 4x fewer frames, 8x fewer pixels a side, 16
+channels normalised by its config's per-channel latents_mean and latents_std, no scaling factor), which it cuts into 1 x
+2 x 2 patches itself, conditioned on the last hidden states of UMT5 over the cleaned prompt (the pipeline's
+prompt_clean), zeros after each prompt's end, no mask given to the transformer. The transformer takes the timestep in
+the scheduler's units (sigma x 1000) and predicts the velocity noise - x0; the training sigmas are the scheduler's,
 shifted by its config's shift (what the pipeline samples with), no loss weighting, on the latent distribution's mode.
 The pipeline guides by classifier-free guidance against the negative (default empty) prompt.
 
@@ -14,6 +14,12 @@ one timestep per token (expand_timesteps), all equal without a first frame: the 
 has two experts switched at a boundary timestep (`transformer` at t >= boundary_ratio x 1000, `transformer_2` below):
 train_lora.py --wan_expert trains a LoRA of one of them on its side of the boundary, or of both, each sample through
 its timestep's expert (expert_family, experts_model).
+
+Image-to-video (WanImageToVideoPipeline bases; sample.py --image gives the first frame, a training clip its own frame
+0): TI2V-5B (expand_timesteps) takes the first frame's clean latents in the first latent frame's place, at timestep 0,
+and learns the frames after it (first_frame_view); Wan 2.2 I2V A14B and Wan 2.1 I2V take a mask and the latents of
+the first frame followed by black frames as 20 more input channels, Wan 2.1 also the frame's CLIP image embeddings,
+and learn every frame (condition_view, image_condition, from each batch's pixels).
 """
 from ..cli import UserError
 from ..diffusion import FLOW_SCHEDULER_CLASSES
