@@ -555,6 +555,15 @@ def test_the_i2v_condition_is_its_pipelines(i2v_bases, variant):
     assert ours["image_condition"].shape == theirs.shape == (2, 20, 2, 4, 4)
     assert (ours["image_condition"] - theirs).abs().max() < 1e-5
     assert ("image_embeds" in ours) == (variant == "i2v")
+    if variant == "i2v-a14b":  # --wan_expert both: each sample through its timestep's expert, 36 channels in, 16 out
+        x = torch.cat([torch.randn(2, 16, 2, 4, 4, generator=torch.Generator().manual_seed(1)),
+                       ours["image_condition"]], dim=1)
+        t, text = torch.tensor([950.0, 100.0]), torch.zeros(2, 40, 32)
+        with torch.no_grad():
+            both = family_module("wan").experts_model(pipe.transformer, pipe.transformer_2, 900)(x, t, text)[0]
+            alone = [expert(hidden_states=x[b:b + 1], timestep=t[b:b + 1], encoder_hidden_states=text[b:b + 1],
+                            return_dict=False)[0] for b, expert in enumerate((pipe.transformer, pipe.transformer_2))]
+        assert both.shape == (2, 16, 2, 4, 4) and (both - torch.cat(alone)).abs().max() < 1e-5
     if variant == "i2v":  # the first frame as the 8-bit picture the pipeline is given
         frames = [Image.fromarray(((clip[b, 0] + 1) * 127.5).round().byte().permute(1, 2, 0).numpy()) for b in (0, 1)]
         with torch.no_grad():

@@ -475,12 +475,14 @@ def experts_model(transformer, transformer_2, boundary):
 
         def forward(self, hidden_states, timestep, encoder_hidden_states, return_dict=False, **kwargs):
             high = timestep >= self.boundary
-            out = torch.empty_like(hidden_states)
+            out = None  # (I2V: fewer channels out than in)
             for expert, rows in ((self.transformer, high), (self.transformer_2, ~high)):
                 if rows.any():  # (the other expert's LoRA gets no gradient this step: DDP finds it unused)
-                    out[rows] = expert(hidden_states=hidden_states[rows], timestep=timestep[rows],
-                                       encoder_hidden_states=encoder_hidden_states[rows], return_dict=False,
-                                       **kwargs)[0].to(out.dtype)
+                    pred = expert(hidden_states=hidden_states[rows], timestep=timestep[rows],
+                                  encoder_hidden_states=encoder_hidden_states[rows], return_dict=False, **kwargs)[0]
+                    if out is None:
+                        out = hidden_states.new_empty((hidden_states.shape[0], *pred.shape[1:]))
+                    out[rows] = pred.to(out.dtype)
             return (out,)
 
     return Experts()
