@@ -89,7 +89,8 @@ def parse_args(argv=None):
     parser.add_argument("--image", action="append", default=[],
                         help="A reference image to edit (repeatable, as many as the base takes): draws with the "
                              "family's edit pipeline (Flux.1: FluxKontextPipeline, one image; FLUX.2: its own "
-                             "pipeline, up to 4 for klein and 6 for dev, each at least 64 px a side).")
+                             "pipeline, up to 4 for klein and 6 for dev, each at least 64 px a side); Wan's "
+                             "image-to-video bases: the clip's first frame (WanImageToVideoPipeline).")
     parser.add_argument("--lora_scale", type=float, nargs="+", default=[1.0],
                         help="Multiplies every LoRA's scale; several values (e.g. 0 0.5 1) draw every prompt and "
                              "seed at each, a grid row per scale and prompt (0: the base alone).")
@@ -323,6 +324,7 @@ def sample_pipeline(args):
         pipe.scheduler.register_to_config(prediction_type=info["prediction_type"])
     pipe.scheduler = sampling_scheduler(args.scheduler or family.SAMPLER, pipe.scheduler.config, family.SAMPLERS)
     names = [f"lora{i}" for i in range(len(loras))]
+    experts = getattr(pipe, "transformer_2", None) is not None  # Wan 2.2 A14B
     verbosity = diffusers_logging.get_verbosity(), transformers_logging.get_verbosity()
     diffusers_logging.set_verbosity(diffusers_logging.CRITICAL)  # it logs the error below in full as well
     transformers_logging.set_verbosity_error()  # a 2nd adapter "misses" the 1st one's keys: a false alarm
@@ -334,8 +336,12 @@ def sample_pipeline(args):
                     load_peft_adapters(pipe, path, name)
                     continue
                 folder, weight_name = (path, None) if not path.endswith(".safetensors") else os.path.split(path)
-                # Wan 2.2 A14B's LoRAs: into the expert their folder's lora_info.json names
-                expert = (read_lora_info(path) or {}).get("wan_expert") if os.path.isdir(path) else None
+                # Wan 2.2 A14B's LoRAs: into the expert their lora_info.json (or the file's metadata) names
+                expert = experts and family.lora_expert(path, local.get(path, ({},))[0])
+                if experts and expert is None:
+                    print(f"LoRA {path}: it does not say which expert of this Wan 2.2 A14B base it is for (no "
+                          "lora_info.json beside it, no lora-high or lora-low in its metadata): loaded into the "
+                          "high-noise expert `transformer`, as diffusers' load_lora_weights does", flush=True)
                 pipe.load_lora_weights(folder or ".", weight_name=weight_name, adapter_name=name,
                                        **({"load_into_transformer_2": True} if expert == "low" else {}))
                 if expert == "both":  # the low expert's, under the same adapter name (one scale for both)
@@ -389,6 +395,8 @@ def check_sample_flags(args, family, base, flag):
         if getattr(args, name) not in (None, False) and name not in family.SAMPLE_FLAGS:
             raise UserError(f"--{name} means nothing for a {family.NAME} base ({base}): leave it out")
     check_family_references(family, len(args.image), "--image", base)  # as many as its edit pipeline takes
+    if hasattr(family, "check_first_frame"):  # (Wan: TI2V-5B's image-to-video draws from a first frame, --image)
+        family.check_first_frame(base, flag, bool(args.image))
     if args.image:  # each at least what the edit pipeline packs into one token
         factor = family.resolution_factor(component_configs(base, ("vae", family.DENOISER), flag=flag))
         check_references(open_images(args.image, "--image"), args.image, "--image", family, factor)
@@ -418,6 +426,7 @@ def draw(pipe, family, args, images, params, common, steps, guidance, extra, siz
             near = sorted({max(factor, value // factor * factor), (value // factor + 1) * factor})
             raise UserError(f"{flag} {value} is not divisible by {factor}, {family.RESOLUTION_FACTOR}; use "
                             f"{' or '.join(map(str, near))}")
+    getattr(family, "check_size", lambda *_: None)(configs, height, width)  # (Wan: what its rotary table places)
     if args.clip_skip:  # SD takes hidden state -(clip_skip + 1) of its encoder, SDXL -(clip_skip + 2) of both
         encoders = [getattr(pipe, name) for name in family.TEXT_ENCODERS]
         layers = min(e.config.num_hidden_layers for e in encoders)

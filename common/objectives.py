@@ -81,8 +81,10 @@ def make_objective(family, scheduler, args):
     """The family's objective over its training scheduler, from the (checked) flags."""
     if family.OBJECTIVE == "ddpm":
         return DDPM(scheduler, snr_gamma=args.snr_gamma, noise_offset=args.noise_offset)
-    return FlowMatching(scheduler, args.weighting_scheme, args.logit_mean, args.logit_std, args.mode_scale,
-                        bool(args.precondition_outputs), getattr(family, "TIMESTEP_RANGE", None))
+    objective = FlowMatching(scheduler, args.weighting_scheme, args.logit_mean, args.logit_std, args.mode_scale,
+                             bool(args.precondition_outputs), getattr(family, "TIMESTEP_RANGE", None))
+    # (Wan 2.2 TI2V-5B's image-to-video: each clip's first frame kept clean, the loss on the others)
+    return getattr(family, "training_objective", lambda plain: plain)(objective)
 
 
 class DDPM:

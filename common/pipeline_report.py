@@ -6,7 +6,7 @@ import os
 import re
 
 from .cli import UserError, first_line
-from .lora_files import LORA_WEIGHTS, read_lora_info
+from .lora_files import LORA_WEIGHTS, lora_file_metadata, read_lora_info
 
 
 # ---------------------------------------------------------------------------------------------- what it holds
@@ -103,11 +103,15 @@ def clip_frames(pipe, args):
         if getattr(args, "num_frames", None):
             raise UserError(f"--num_frames: {type(pipe).__name__} draws images, not clips; leave it out")
         return None
-    lora = getattr(args, "lora", None)
-    info = read_lora_info(lora) if lora and os.path.isdir(lora) else None
-    frames = getattr(args, "num_frames", None) or (info or {}).get("num_frames") or family.SAMPLE_FRAMES
+    frames = getattr(args, "num_frames", None) or lora_info(args).get("num_frames") or family.SAMPLE_FRAMES
     family.check_frames(frames, pipe.vae.config)
     return frames
+
+
+def lora_info(args):
+    """The lora_info.json of --lora (a folder, or beside a file), {} without one."""
+    lora = getattr(args, "lora", None)
+    return (read_lora_info(lora if os.path.isdir(lora) else os.path.dirname(lora) or ".") or {}) if lora else {}
 
 
 def pipeline_family(pipe):
@@ -133,6 +137,8 @@ def image_size(pipe, args):
         denoiser = getattr(pipe, family.DENOISER)
         factor = family.resolution_factor({"vae": pipe.vae.config, family.DENOISER: denoiser.config})
         default, why = family.sample_size(pipe), family.RESOLUTION_FACTOR
+        trained = lora_info(args).get("resolution")  # as sample.py draws a LoRA: at its training size
+        default = (trained, trained) if trained else default
     else:
         size = (getattr(pipe, "unet", None) or pipe.transformer).config.sample_size
         default = (size * factor, size * factor) if isinstance(size, int) else (size[0] * factor, size[1] * factor)
@@ -140,20 +146,23 @@ def image_size(pipe, args):
     for flag, value in (("--height", height), ("--width", width)):
         if value % factor:
             raise UserError(f"{flag} {value} is not divisible by {factor}, {why}")
+    if family is not None:  # (Wan: what the transformer's rotary table places)
+        configs = {"vae": pipe.vae.config, family.DENOISER: getattr(pipe, family.DENOISER).config}
+        getattr(family, "check_size", lambda *_: None)(configs, height, width)
     return height, width
 
 
-def pipeline_guidance(pipe, scale, batch):
+def pipeline_guidance(pipe, scale, batch, info=None):
     """A call's guidance arguments at `scale` (default: sample.py's, from the base's card or its family; else Stable
     Diffusion's 7.5), as the family gives them (common/families/: guidance_kwargs), and T5's length as sample.py
-    gives it."""
+    gives it (info: a LoRA's lora_info.json, whose T5 length it trained with comes first)."""
     from .sampling_defaults import sampling_defaults
 
     family = pipeline_family(pipe)
     if family is None:
         return {"guidance_scale": 7.5 if scale is None else scale}
     config = getattr(pipe, family.DENOISER).config
-    defaults = sampling_defaults(family, getattr(pipe, "name_or_path", None) or "", config)
+    defaults = sampling_defaults(family, getattr(pipe, "name_or_path", None) or "", config, info)
     scale = defaults["guidance_scale"] if scale is None else scale
     length = family.text_length(pipe.components, defaults["max_sequence_length"])
     return {**family.guidance_kwargs(config, scale, batch)[0], **({"max_sequence_length": length} if length else {})}
@@ -176,10 +185,13 @@ def load_lora(pipe, args):
     base_params = {name: sum(p.numel() for p in c.parameters()) for name, c in pipe.components.items()
                    if hasattr(c, "parameters")}
     info = read_lora_info(folder) or {}
-    low = {"load_into_transformer_2": True} if info.get("wan_expert") == "low" else {}  # (Wan A14B's low expert)
+    family = pipeline_family(pipe)  # (Wan A14B: the expert the LoRA names, a file's own)
+    expert = getattr(pipe, "transformer_2", None) is not None and family.lora_expert(
+        args.lora, lora_file_metadata(os.path.join(folder, weight_name)))
+    low = {"load_into_transformer_2": True} if expert == "low" else {}
     try:
         pipe.load_lora_weights(folder, weight_name=weight_name, adapter_name="inspected", **low)
-        if info.get("wan_expert") == "both":  # and the low expert's, from low/
+        if expert == "both":  # and the low expert's, from low/
             pipe.load_lora_weights(os.path.join(folder, "low"), adapter_name="inspected", load_into_transformer_2=True)
     except (RuntimeError, ValueError, KeyError, OSError) as err:
         mismatch = re.search(r"size mismatch for (\S+): copying a param with shape torch.Size\((\[[^]]*\])\) from "

@@ -9,7 +9,7 @@ import time
 
 from .cli import UserError, first_line
 from .diffusion import DEFAULT_GUIDANCE_SCALE, sample_images, to_pil
-from .pipeline_report import clip_frames, image_size, pipeline_family, pipeline_guidance, unpack_latents
+from .pipeline_report import clip_frames, image_size, lora_info, pipeline_family, pipeline_guidance, unpack_latents
 from .pipelines import class_label_ids
 from .vae import decode_fp32
 
@@ -172,6 +172,9 @@ def x0_from_prediction(scheduler, model_output, t, sample):
 
 def trace_sd(pipe, args, rec, generator, steps_kept):
     """One real StableDiffusionPipeline-style call; -> (how it was recorded, images)."""
+    if type(pipe).__name__ == getattr(pipeline_family(pipe), "I2V_PIPELINE", None):  # (Wan image-to-video)
+        raise UserError(f"--trace: {type(pipe).__name__} draws from a first frame, which inspect_pipeline.py does not "
+                        "take; leave --trace out (the report), or draw it with sample.py --image")
     calls = {}
     for name, component in pipe.components.items():
         if name.startswith("text_encoder") and component is not None:
@@ -231,7 +234,7 @@ def trace_sd(pipe, args, rec, generator, steps_kept):
         "num_images_per_prompt": args.num_images}
     try:
         images = pipe(prompt=args.prompt, num_inference_steps=args.num_inference_steps, height=height, width=width,
-                      **pipeline_guidance(pipe, args.guidance_scale, args.num_images), **count,
+                      **pipeline_guidance(pipe, args.guidance_scale, args.num_images, lora_info(args)), **count,
                       generator=generator, callback_on_step_end=on_step_end,
                       callback_on_step_end_tensor_inputs=inputs)[0]
     except ValueError as err:

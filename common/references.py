@@ -168,6 +168,11 @@ def paired_references(args, family, train_ds, held_out_ds):
     One line for a control image that does not read, is smaller than the base takes, or has another aspect ratio
     than its target, and (without --allow_missing_control) for a training image without one."""
     count = reference_count(args)
+    if not count and getattr(family, "FIRST_FRAME", False):  # (Wan image-to-video: validation's first frame)
+        first = first_frame(args, train_ds, held_out_ds)
+        return References(0, validation=[first] if first else None,
+                          condition=family.image_condition if getattr(family, "IMAGE_CONDITION", False) else None
+                          ), held_out_ds
     if not count:
         return References(0), held_out_ds
     from .base_models import size_factor
@@ -190,6 +195,22 @@ def paired_references(args, family, train_ds, held_out_ds):
         args.reference_paths = [(value.get("path") if isinstance(value, dict) else None) or "reference.png"
                                 for value in first]
     return References(count, train, held_out, validation), held_out_ds
+
+
+def first_frame(args, train_ds, held_out_ds):
+    """An image-to-video run's validation first frame (PIL): the first held-out clip's, else the first training
+    clip's; the model card's snippet reads it from <output_dir>/first_frame.png, which validation writes (without
+    validation prompts: None, and the snippet names a first_frame.png of the user's)."""
+    from .image_data import read_frames, undecoded
+
+    args.reference_paths = [os.path.join(args.output_dir, FIRST_FRAME) if args.validation_prompt else FIRST_FRAME]
+    if not args.validation_prompt:
+        return None
+    dataset = held_out_ds if held_out_ds is not None and len(held_out_ds) else train_ds
+    return read_frames(undecoded(dataset.select([0]), args.image_column)[0])[0].convert("RGB")
+
+
+FIRST_FRAME = "first_frame.png"
 
 
 def dataset_controls(args, dataset, smallest):
@@ -267,12 +288,14 @@ class References:
     """The reference images of a run, for the training loop: `rows` (each training and held-out row's control image
     values, for image_datasets), `batch_keys` (batches all with or all without references), the conditioning of a
     batch (`refs(batch, encode, latent_config)`: {"reference_latents": [...]}, or {} for a batch without them or a
-    text-to-image run), of held-out images (`held_out`), and `validation`, the validation prompts' references (PIL)."""
+    text-to-image run), of held-out images (`held_out`), and `validation`, the validation prompts' references (PIL).
+    `condition(encode, pixels, latent_config)`: an image-to-video family's condition of each clip, from its own pixels
+    (Wan I2V: {"image_condition": ..., Wan 2.1's "image_embeds": ...}; no references then)."""
 
-    def __init__(self, count, train=None, held_out=None, validation=None):
+    def __init__(self, count, train=None, held_out=None, validation=None, condition=None):
         import torch
 
-        self.count, self.rows, self.validation = count, (train, held_out), validation
+        self.count, self.rows, self.validation, self.condition = count, (train, held_out), validation, condition
         self.present = torch.tensor([all(row) for row in train or ()], dtype=torch.bool)
         self.all_present = bool(self.present.all()) if count else True
         self.held_out_cache = {}
@@ -286,6 +309,8 @@ class References:
 
     def __call__(self, batch, encode, latent_config):
         """A training batch's reference latents (cached with --cache_latents, else encoded now)."""
+        if self.condition is not None:
+            return self.condition(encode, batch["pixel_values"], latent_config)
         if not self.count or not (self.all_present or self.present[batch["index"].cpu()].all()):
             return {}
         from .image_data import reference_means
@@ -302,6 +327,12 @@ class References:
 
         from .image_data import reference_means
 
+        if self.condition is not None:  # (each held-out clip's, encoded once)
+            for i in ids.tolist():
+                if i not in self.held_out_cache:
+                    self.held_out_cache[i] = self.condition(encode, data[i]["pixel_values"][None], latent_config)
+            return {key: torch.cat([self.held_out_cache[i][key] for i in ids.tolist()]) for key in
+                    self.held_out_cache[ids[0].item()]}
         if not self.count:
             return {}
         for i in ids.tolist():

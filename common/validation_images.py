@@ -71,7 +71,9 @@ def validation_images(args, accelerator, family, parts, scheduler, step, sizes=N
                     else:
                         image.save(paths[-1])
                 grid = image_grid(sum(images, []), ncol=len(images[0])) if clips else image_grid(images, len(images))
-                if references:  # a row per image: the reference(s), the base's output (same seed), the LoRA's
+                if references and getattr(family, "FIRST_FRAME", False):  # (Wan image-to-video: a clip's)
+                    references[0].save(args.reference_paths[0])  # (the card's snippet's: common/references.py)
+                elif references:  # a row per image: the reference(s), the base's output (same seed), the LoRA's
                     with adapters_off(models):
                         base = draw(pipe, family, args, accelerator, text, height, width)
                     grid = side_by_side(references, base, images, height, width)
@@ -135,8 +137,13 @@ def check_validation_image_args(args, family, unconditional=False):
     if args.validation_scheduler and args.validation_scheduler not in family.SAMPLERS:
         raise UserError(f"--validation_scheduler {args.validation_scheduler}: {family.NAME} bases sample with "
                         f"{', '.join(sorted(family.SAMPLERS))}")
+    base = args.pretrained_model_name_or_path
+    if args.validation_prompt and hasattr(family, "check_size") and getattr(args, "buckets", "off") != "auto":
+        size = family.DEFAULT_SIZE  # (Wan: the pipeline's default, which a tiny base's rotary table may not place)
+        family.check_size(component_configs(base, ("vae", family.DENOISER), args.revision, args.cache_dir), *size,
+                          "--validation_prompt draws at the pipeline's default size,",
+                          "give --buckets auto to draw at the training size (--resolution)")
     if args.validation_guidance_scale is None:
-        base = args.pretrained_model_name_or_path
         config = getattr(args, "denoiser_config", None) or component_configs(
             base, (family.DENOISER,), args.revision, args.cache_dir)[family.DENOISER]
         args.validation_guidance_scale = sampling_defaults(family, base, config, None, unconditional)["guidance_scale"]

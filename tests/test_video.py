@@ -5,6 +5,7 @@ too), an exact resume, the validation clip, sample.py's clips against WanPipelin
 clips that do not fit; Wan 2.2 A14B's experts (--wan_expert high, low, both) on its tiny two-expert build. (Wan on
 images, one frame each, is one family of tests/test_lora_flow.py.)"""
 import json
+import re
 import shutil
 import sys
 
@@ -119,10 +120,11 @@ def test_the_validation_clip_and_sample_py_draw_wanpipelines_frames(trained, tmp
     import inspect_pipeline  # (in this process: its main returns the report it prints)
 
     report = inspect_pipeline.main(inspect_pipeline.parse_args([str(out), "--trace", "--json", "--num_inference_steps",
-                                                                "1", "--height", "32", "--width", "32"]))
-    json.dumps(report)  # (the run's clips: 5 frames, from lora_info.json)
+                                                                "1"]))
+    json.dumps(report)  # (the run's clips, size and T5 length, as sample.py draws it: 5 frames, 32 px, 40 tokens)
     assert report["vae"]["latent_shape"] == [1, 16, 2, 4, 4] and report["vae"]["packed_latent_shape"] == [1, 8, 64]
     assert report["trace"]["initial_noise"] == [1, 16, 2, 4, 4]
+    assert [s["input_ids"] for s in report["trace"]["stages"] if s["stage"] == "text_encoder"] == [[1, 40]] * 2
 
 
 def test_train_text_to_image_trains_the_wan_transformer_on_clips(tiny_wan, clips, tmp_path):
@@ -190,11 +192,24 @@ def test_a_bad_clip_stops_train_lora_in_one_line_with_nothing_written(tiny_wan, 
     (["--train_text_encoder"], ["--train_text_encoder", "not offered"]),
     (["--guidance_scale", "3"], ["--guidance_scale", "means nothing for a Wan base"]),
     (["--wan_expert", "low"], ["--wan_expert low", "has one transformer", "leave --wan_expert out"]),
+    (["--validation_prompt", PROMPT], ["--validation_prompt draws at the pipeline's default size, 480 x 832 px",
+                                       "rope_max_seq_len 32", "give --buckets auto"]),
 ])
 def test_flags_that_do_not_fit_a_video_base_are_one_line(tiny_wan, clips, flags, needles, tmp_path):
     proc = run_script("train_lora.py", "--train_data_dir", clips, "--pretrained_model_name_or_path", tiny_wan,
                       "--output_dir", tmp_path / "out", *flags)
     assert_one_line_error(proc, *needles)
+
+
+def test_a_size_the_tiny_bases_transformer_cannot_place_is_one_line_and_its_card_gives_its_size(tiny_wan, tmp_path):
+    """WanPipeline's default 480 x 832 is 30 x 52 patches; the tiny base's rotary table places 32 an axis. sample.py
+    draws it at its card's size by default, and says what it takes when asked for more."""
+    flags = ["--model", tiny_wan, "--prompt", PROMPT, "--num_images", "1", "--num_inference_steps", "1",
+             "--num_frames", "1", "--output_dir", tmp_path / "samples"]
+    with pytest.raises(UserError, match=r"--height/--width 480 x 832 px: .* at most 32 patches .* at most 512"):
+        run_in_process("sample.py", *flags, "--height", "480", "--width", "832")
+    run_in_process("sample.py", *flags)
+    assert Image.open(tmp_path / "samples" / "0000.png").size == (32, 32)  # (the card: 32 x 32)
 
 
 def test_num_frames_on_an_image_base_is_one_line(tiny_sd, clips, tmp_path):
@@ -232,25 +247,50 @@ def test_a_hub_wan_bases_unipc_scheduler_trains_and_draws_at_its_flow_shift(tmp_
     assert sampling_scheduler(wan.SAMPLER, unipc.config, wan.SAMPLERS).config.shift == 3.0
 
 
-def test_wan_22_ti2v_trains_as_its_pipeline_calls_it():
-    """Wan 2.2 TI2V-5B in its text-to-video mode (demo/tiny_wan.py --variant ti2v): the pipeline gives the transformer
-    one timestep per token (expand_timesteps), all equal without a first frame; the family's call with one timestep per
-    clip predicts the same. Its VAE cuts 2 x 2 patches first: sides are multiples of 32."""
+@pytest.mark.parametrize("variant", ["ti2v", "ti2v-i2v"])
+def test_wan_22_ti2v_trains_as_its_pipeline_calls_it(variant):
+    """Wan 2.2 TI2V-5B (demo/tiny_wan.py --variant ti2v): the pipeline gives the transformer one timestep per token
+    (expand_timesteps). Text-to-video: all equal, the same prediction as one timestep per clip. Image-to-video
+    (WanImageToVideoPipeline, --variant ti2v-i2v): the first latent frame is the clean first frame's, its tokens at
+    timestep 0, as the pipeline's first_frame_mask makes them; the loss leaves that frame out. Its VAE cuts 2 x 2
+    patches first: sides are multiples of 32."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    from common.objectives import FlowMatching
     from demo.tiny_wan import build_tiny_wan
 
     wan = family_module("wan")
-    pipe = build_tiny_wan(variant="ti2v")
+    pipe = build_tiny_wan(variant=variant)
     configs = {"vae": pipe.vae.config, "transformer": pipe.transformer.config}
     assert pipe.config.expand_timesteps and wan.resolution_factor(configs) == 32
-    x = torch.randn(2, 48, 2, 2, 2, generator=torch.Generator().manual_seed(0))
-    t = torch.tensor([100.0, 700.0])
+    i2v = variant == "ti2v-i2v"
+    family = wan.first_frame_view(wan) if i2v else wan
+    generator = torch.Generator().manual_seed(0)
+    x, noise = (torch.randn(2, 48, 3, 4, 4, generator=generator) for _ in range(2))  # 3 latent frames of 2 x 2 tokens
+    objective = family.training_objective(FlowMatching(FlowMatchEulerDiscreteScheduler(shift=3.0))) if i2v else \
+        FlowMatching(FlowMatchEulerDiscreteScheduler(shift=3.0))
+    noised = objective.at(x, noise, torch.tensor([100, 700]))
+    plain = FlowMatching(FlowMatchEulerDiscreteScheduler(shift=3.0)).at(x, noise, torch.tensor([100, 700]))
+    t = noised.timesteps
     with torch.no_grad():
         cond = wan.encode_prompts(pipe.components, wan.tokenize(pipe.components, [PROMPT] * 2, 40))
-        ours = wan.denoise(pipe.transformer, x, t, cond)
-        tokens = 2 * 1 * 1  # latent frames x (h / 2) x (w / 2)
-        theirs = pipe.transformer(hidden_states=x, timestep=t[:, None].expand(2, tokens),
-                                  encoder_hidden_states=cond["prompt_embeds"], return_dict=False)[0]
-    assert (ours - theirs).abs().max() < 1e-5
+        ours = family.denoise(pipe.transformer, noised.noisy, t, cond)
+        mask = torch.ones(1, 1, 3, 4, 4)  # WanImageToVideoPipeline's first_frame_mask (text-to-video: none)
+        if i2v:
+            mask[:, :, 0] = 0
+        given = (1 - mask) * x[:, :, :1] + mask * plain.noisy  # (the pipeline's condition: the first frame's latents)
+        timestep = torch.stack([(mask[0][0][:, ::2, ::2] * step).flatten() for step in t])
+        theirs = pipe.transformer(hidden_states=given, timestep=timestep, encoder_hidden_states=cond["prompt_embeds"],
+                                  return_dict=False)[0]
+    assert torch.equal(noised.noisy, given) and (ours - theirs).abs().max() < 1e-5
+    losses = objective.losses(ours, noised)
+    kept = slice(1, None) if i2v else slice(None)
+    expected = ((ours - noised.target)[:, :, kept] ** 2).mean(dim=(1, 2, 3, 4))
+    assert torch.allclose(losses, expected)
+    if i2v:  # the first frame's prediction is no part of the loss; a one-frame clip (an image) trains as text-to-image
+        assert torch.equal(objective.losses(torch.cat([ours[:, :, :1] + 1, ours[:, :, 1:]], 2), noised), losses)
+        one = objective.at(x[:, :, :1], noise[:, :, :1], torch.tensor([100, 700]))
+        assert torch.equal(one.noisy, plain.noisy[:, :, :1])
 
 
 @pytest.mark.parametrize("cached", [True, False], ids=["decoded-once", "decoded-per-item"])
@@ -288,7 +328,8 @@ def test_a_datasets_video_column_trains_as_clips(clips):
 
 @pytest.mark.parametrize("kind, script, needles", [
     ("a14b", "train_text_to_image.py", ["is Wan 2.2 A14B", "boundary_ratio 0.875", "train_lora.py --wan_expert"]),
-    ("i2v", "train_lora.py", ["names the pipeline class 'WanImageToVideoPipeline'", "WanPipeline"])])
+    ("i2v", "train_lora.py", ["WanImageToVideoPipeline base whose transformer takes in_channels 16, not the 36",
+                              "give a Wan 2.2 I2V A14B or Wan 2.1 I2V base"])])
 def test_wan_bases_not_trained_yet_are_one_line(tiny_wan, clips, kind, script, needles, tmp_path):
     base = tmp_path / kind
     shutil.copytree(tiny_wan, base)
@@ -296,7 +337,7 @@ def test_wan_bases_not_trained_yet_are_one_line(tiny_wan, clips, kind, script, n
     if kind == "a14b":  # two experts: transformer above the boundary timestep, transformer_2 below
         shutil.copytree(tiny_wan / "transformer", base / "transformer_2")
         index.update(transformer_2=["diffusers", "WanTransformer3DModel"], boundary_ratio=0.875)
-    else:
+    else:  # a text-to-video transformer (16 channels in) under the image-to-video pipeline
         index["_class_name"] = "WanImageToVideoPipeline"
     (base / "model_index.json").write_text(json.dumps(index))
     proc = run_script(script, "--train_data_dir", clips, "--pretrained_model_name_or_path", base,
@@ -322,8 +363,7 @@ EXPERT_STEPS = [*STEPS[:3], "2", *STEPS[4:], "--validation_prompt", PROMPT, "--v
                 "--num_validation_images", "1", "--validation_inference_steps", "2"]
 
 
-# (high alone runs the code of low alone with the other expert's name; both covers its file and default loading)
-@pytest.fixture(scope="module", params=["low", "both"])
+@pytest.fixture(scope="module", params=["high", "low", "both"])
 def expert_run(request, tiny_wan_a14b, clips, tmp_path_factory):
     out = tmp_path_factory.mktemp(f"lora-wan-{request.param}") / "run"
     both = request.param == "both"  # in two processes: a step may leave an expert unused on a process, or on both
@@ -351,6 +391,7 @@ def test_an_a14b_experts_lora_loads_into_that_expert_with_wanpipelines_loader_an
     from peft.utils import set_peft_model_state_dict
 
     from common.lora_adapters import expand_targets
+    from common.lora_files import lora_file_metadata
 
     expert, base, out = expert_run
     names = list(EXPERTS.values()) if expert == "both" else [EXPERTS[expert]]
@@ -385,8 +426,31 @@ def test_an_a14b_experts_lora_loads_into_that_expert_with_wanpipelines_loader_an
     assert Image.open(out / "samples" / f"step-{step}" / "0-0.gif").n_frames == 5  # the validation clip
     run_in_process("sample.py", "--model", out, "--prompt", PROMPT, "--num_images", "1", "--num_inference_steps", "2",
                    "--output_dir", tmp_path / "samples")
+    theirs = np.concatenate(list((frames * 255).round().astype(int)), axis=1)
     grid = np.asarray(Image.open(tmp_path / "samples" / "grid.png").convert("RGB")).astype(int)
-    assert np.abs(grid - np.concatenate(list((frames * 255).round().astype(int)), axis=1)).max() <= 1
+    assert np.abs(grid - theirs).max() <= 1
+    if expert != "both":  # the .safetensors file, with its lora_info.json beside it or alone (its metadata names it)
+        def drawn(load, steps=3):  # (3 steps: t = 1000, 750, 9; at 2, the low expert's 9 hardly shows)
+            pipe = WanPipeline.from_pretrained(base)
+            load(pipe)
+            frames = pipe(prompt=PROMPT, num_frames=5, height=32, width=32, num_inference_steps=steps,
+                          guidance_scale=5.0, max_sequence_length=40, output_type="np",
+                          generator=torch.Generator().manual_seed(0)).frames[0]
+            return np.concatenate(list((frames * 255).round().astype(int)), axis=1)
+
+        right = drawn(lambda pipe: load_expert_loras(pipe, out, expert))
+        wrong = drawn(lambda pipe: pipe.load_lora_weights(out, load_into_transformer_2=expert == "high"))
+        assert np.abs(right - wrong).max() > 4  # (the expert it loads into shows)
+        lora = tmp_path / "bare.safetensors"  # (a copy alone: no lora_info.json beside it)
+        shutil.copy(out / "pytorch_lora_weights.safetensors", lora)
+        for path in (out / "pytorch_lora_weights.safetensors", lora):
+            assert family_module("wan").lora_expert(str(path), lora_file_metadata(str(path))) == expert
+        assert family_module("wan").lora_expert(str(lora), {}) is None  # (says nothing: diffusers' default, high)
+        run_in_process("sample.py", "--model", base, "--lora", lora, "--prompt", PROMPT, "--num_images", "1",
+                       "--num_inference_steps", "3", "--num_frames", "5", "--height", "32", "--width", "32",
+                       "--max_sequence_length", "40", "--output_dir", tmp_path / "bare")
+        grid = np.asarray(Image.open(tmp_path / "bare" / "grid.png").convert("RGB")).astype(int)
+        assert np.abs(grid - right).max() <= 1
     card = (out / "README.md").read_text()
     assert ("load_into_transformer_2=True" in card) == (expert != "high")
     if expert == "both":  # inspect_pipeline.py: both LoRAs, and the expert of each step
@@ -441,3 +505,172 @@ def test_wan_expert_defaults_to_high_and_what_it_cannot_take_is_one_line(tiny_wa
     else:
         check_video_args(args, family_module(family), None)
         assert args.wan_expert == "high"
+
+
+# Image-to-video (WanImageToVideoPipeline): each clip's own first frame is the condition. Wan 2.2 TI2V-5B: its clean
+# latents in the first latent frame's place; Wan 2.2 I2V A14B: its latents and a mask beside the noise (its low
+# expert); Wan 2.1 I2V: the same, and its CLIP image embeddings
+I2V = {"ti2v-i2v": [], "i2v-a14b": ["--wan_expert", "low"], "i2v": []}
+
+
+@pytest.fixture(scope="module")
+def i2v_bases(tmp_path_factory):
+    from demo.tiny_wan import write_tiny_wan
+
+    bases = {variant: tmp_path_factory.mktemp("models") / f"tiny-wan-{variant}" for variant in I2V}
+    for variant, path in bases.items():
+        write_tiny_wan(str(path), variant=variant)
+    return bases
+
+
+@pytest.fixture(scope="module", params=list(I2V))
+def i2v_run(request, i2v_bases, clips, tmp_path_factory):
+    variant, base = request.param, i2v_bases[request.param]
+    out = tmp_path_factory.mktemp(f"lora-wan-{variant}") / "run"
+    steps = [flag for flag in STEPS if flag != "--cache_latents" or variant == "ti2v-i2v"]  # (else: from the pixels)
+    launch("train_lora.py", "--train_data_dir", clips, "--pretrained_model_name_or_path", base, "--output_dir", out,
+           *steps, *SPLIT, *VALIDATION, *I2V[variant])
+    return variant, base, clips, out
+
+
+@pytest.mark.parametrize("variant", ["i2v-a14b", "i2v"])
+def test_the_i2v_condition_is_its_pipelines(i2v_bases, variant):
+    """The condition train_lora.py gives Wan 2.2 I2V A14B's experts (and Wan 2.1 I2V's transformer) beside each clip's
+    noise is WanImageToVideoPipeline.prepare_latents' from the clip's first frame: a 4-channel mask of the first
+    latent frame, then the normalized latents of that frame followed by black ones; Wan 2.1 I2V's CLIP image
+    embeddings are its encode_image's of that frame as a picture."""
+    from diffusers import WanImageToVideoPipeline
+
+    from common.families import load_family
+    from common.vae import encode_params
+
+    family = load_family(str(i2v_bases[variant]), "--pretrained_model_name_or_path",
+                         expert="low" if variant == "i2v-a14b" else None)
+    pipe = WanImageToVideoPipeline.from_pretrained(i2v_bases[variant])
+    clip = torch.randint(0, 256, (2, 5, 3, 32, 32), generator=torch.Generator().manual_seed(0)) / 127.5 - 1
+    ours = family.image_condition(lambda pixels: encode_params(pipe.vae, pixels), clip, family.latent_config(pipe.vae))
+    with torch.no_grad():
+        theirs = torch.cat([pipe.prepare_latents(clip[b:b + 1, 0], 1, 16, 32, 32, 5, torch.float32, "cpu",
+                                                 torch.Generator().manual_seed(0))[1] for b in range(2)])
+    assert ours["image_condition"].shape == theirs.shape == (2, 20, 2, 4, 4)
+    assert (ours["image_condition"] - theirs).abs().max() < 1e-5
+    assert ("image_embeds" in ours) == (variant == "i2v")
+    if variant == "i2v-a14b":  # --wan_expert both: each sample through its timestep's expert, 36 channels in, 16 out
+        x = torch.cat([torch.randn(2, 16, 2, 4, 4, generator=torch.Generator().manual_seed(1)),
+                       ours["image_condition"]], dim=1)
+        t, text = torch.tensor([950.0, 100.0]), torch.zeros(2, 40, 32)
+        with torch.no_grad():
+            both = family_module("wan").experts_model(pipe.transformer, pipe.transformer_2, 900)(x, t, text)[0]
+            alone = [expert(hidden_states=x[b:b + 1], timestep=t[b:b + 1], encoder_hidden_states=text[b:b + 1],
+                            return_dict=False)[0] for b, expert in enumerate((pipe.transformer, pipe.transformer_2))]
+        assert both.shape == (2, 16, 2, 4, 4) and (both - torch.cat(alone)).abs().max() < 1e-5
+    if variant == "i2v":  # the first frame as the 8-bit picture the pipeline is given
+        frames = [Image.fromarray(((clip[b, 0] + 1) * 127.5).round().byte().permute(1, 2, 0).numpy()) for b in (0, 1)]
+        with torch.no_grad():
+            embeds = pipe.encode_image(frames, "cpu")
+        assert (ours["image_embeds"] - embeds).abs().max() < 1e-5
+
+
+def test_an_image_to_video_lora_loads_back_and_sample_py_draws_wanimagetovideopipelines_frames(i2v_run, tmp_path,
+                                                                                              monkeypatch):
+    """An image-to-video LoRA (TI2V-5B's; I2V A14B's low expert: its held-out loss, validation clips from the first
+    held-out clip's first frame, written beside it for the card) loads back in WanImageToVideoPipeline within 1e-5,
+    the UI file too; sample.py --image draws the pipeline's frames from that first frame within 1 level; the card's
+    snippet draws its clip."""
+    from diffusers import WanImageToVideoPipeline
+    from peft import LoraConfig
+    from peft.utils import set_peft_model_state_dict
+
+    from common.families import load_family
+    from common.lora_adapters import expand_targets
+
+    variant, base, clips, out = i2v_run
+    a14b = variant == "i2v-a14b"
+    family = load_family(str(base), "--pretrained_model_name_or_path", expert="low" if a14b else None)
+    name, low = ("transformer_2", {"load_into_transformer_2": True}) if a14b else ("transformer", {})
+    results = read_results(out)
+    assert results["global_step"] == 4 and set(results["validation_losses"]) == {"0", "4"}
+    assert json.loads((out / "lora_info.json").read_text())["num_frames"] == 5
+
+    def output(pipe):  # the expert on a fixed clip of 2 latent frames, given its first frame as the family gives it
+        generator = torch.Generator().manual_seed(0)
+        x = torch.randn(2, *((48, 2, 2, 2) if variant == "ti2v-i2v" else (16, 2, 4, 4)), generator=generator)
+        with torch.no_grad():
+            cond = family.encode_prompts(pipe.components, family.tokenize(pipe.components, [PROMPT] * 2, 40))
+            if variant != "ti2v-i2v":  # (the mask and condition latents; Wan 2.1: CLIP's 32 x 32 + 1 embeddings)
+                cond["image_condition"] = torch.randn(2, 20, 2, 4, 4, generator=generator)
+            if variant == "i2v":
+                cond["image_embeds"] = torch.randn(2, 1025, 4, generator=generator)
+            return family.denoise(getattr(pipe, name), x, torch.tensor([100.0, 700.0]), cond)
+
+    reference = WanImageToVideoPipeline.from_pretrained(base)
+    model = getattr(reference, name)
+    model.add_adapter(LoraConfig(r=4, lora_alpha=8, init_lora_weights="gaussian", target_modules=expand_targets(
+        model, family.LORA_TARGETS.split(","))))
+    set_peft_model_state_dict(model, load_file(out / "checkpoint-4" / name / "adapter_model.safetensors"))
+    expected = output(reference)
+    assert (output(WanImageToVideoPipeline.from_pretrained(base)) - expected).abs().max() > 1e-4  # it learned
+    for weights in ("pytorch_lora_weights.safetensors", "pytorch_lora_weights_ui.safetensors"):
+        pipe = WanImageToVideoPipeline.from_pretrained(base)
+        pipe.load_lora_weights(out, weight_name=weights, **low)
+        assert (output(pipe) - expected).abs().max() < 1e-5, weights
+    assert Image.open(out / "samples" / "step-4" / "0-0.gif").n_frames == 5  # the validation clip
+    first = out / "first_frame.png"  # (its first frame: the held-out clip's)
+    assert Image.open(first).size == (32, 32)
+    run_in_process("sample.py", "--model", out, "--prompt", PROMPT, "--image", first, "--num_images", "1",
+                   "--num_inference_steps", "3", "--output_dir", tmp_path / "samples")
+    grid = np.asarray(Image.open(tmp_path / "samples" / "grid.png").convert("RGB")).astype(int)
+    family_module("wan").i2v_without_ftfy()  # (diffusers 0.42's WanImageToVideoPipeline needs ftfy otherwise)
+    frames = pipe(image=Image.open(first), prompt=PROMPT, num_frames=5, height=32, width=32, num_inference_steps=3,
+                  guidance_scale=5.0, max_sequence_length=40, output_type="np",
+                  generator=torch.Generator().manual_seed(0)).frames[0]  # (A14B: t = 1000 high, 750 and 9 low)
+    assert np.abs(grid - np.concatenate(list((frames * 255).round().astype(int)), axis=1)).max() <= 1
+    code = re.search(r"```python\n(.*?)```", (out / "README.md").read_text(), re.S).group(1)
+    assert "WanImageToVideoPipeline" in code and "image=reference" in code and str(first) in code
+    assert ("load_into_transformer_2=True" in code) == a14b
+    monkeypatch.chdir(tmp_path)
+    exec(compile(code.replace("num_inference_steps=50", "num_inference_steps=2"), "card", "exec"), {})
+    assert Image.open(tmp_path / "sample.gif").n_frames == 5
+
+
+@pytest.mark.parametrize("i2v_run", ["i2v-a14b"], indirect=True)
+def test_an_i2v_a14b_run_resumes_exactly(i2v_run, tmp_path):
+    """Wan 2.2 I2V A14B's run (its condition encoded from the batch's pixels, the held-out clips' once) resumed from
+    checkpoint-2 ends where the straight run ends."""
+    variant, base, clips, out = i2v_run
+    resumed = tmp_path / "run"
+    shutil.copytree(out / "checkpoint-2", resumed / "checkpoint-2")
+    launch("train_lora.py", "--train_data_dir", clips, "--pretrained_model_name_or_path", base, "--output_dir", resumed,
+           *[flag for flag in STEPS if flag != "--cache_latents"], *SPLIT, *I2V[variant], "--resume_from_checkpoint",
+           "latest")
+    straight, again = (load_file(run / "checkpoint-4" / "transformer_2" / "adapter_model.safetensors")
+                       for run in (out, resumed))
+    assert straight.keys() == again.keys() and all(torch.equal(straight[k], again[k]) for k in straight)
+
+
+@pytest.mark.parametrize("variant, script, flags, needles", [
+    ("ti2v-i2v", "train_text_to_image.py", [], ["is Wan 2.2 TI2V-5B's image-to-video", "which train_lora.py trains"]),
+    ("i2v-a14b", "train_lora.py", ["--cache_latents"], ["--cache_latents", "encoded from the batch's pixels"]),
+    ("i2v-a14b", "sample.py", [], ["is an image-to-video base (WanImageToVideoPipeline): it draws from a first frame",
+                                   "give --image FIRST_FRAME.png"]),
+    ("t2v", "sample.py", ["--image"], ["--image:", "is a Wan text-to-video base", "leave --image out"]),
+    ("ti2v-i2v", "inspect_pipeline.py", ["--trace"], ["--trace: WanImageToVideoPipeline draws from a first frame",
+                                                      "sample.py --image"])])
+def test_an_image_to_video_base_without_a_first_frame_is_one_line(i2v_bases, tiny_wan, clips, variant, script, flags,
+                                                                   needles, tmp_path):
+    base = i2v_bases.get(variant, tiny_wan)
+    if script == "inspect_pipeline.py":
+        with pytest.raises(UserError, match=re.escape(needles[0])):
+            run_in_process(script, base, *flags, "--num_inference_steps", "1")
+        return
+    if script == "sample.py":  # an image-to-video base without a first frame; a first frame for a text-to-video one
+        first = tmp_path / "first.png"
+        Image.new("RGB", (32, 32)).save(first)
+        with pytest.raises(UserError) as err:
+            run_in_process("sample.py", "--model", base, "--prompt", PROMPT, *(["--image", first] if flags else []),
+                           "--output_dir", tmp_path / "samples")
+        assert all(needle in str(err.value) for needle in needles), err.value
+        return
+    proc = run_script(script, "--train_data_dir", clips, "--pretrained_model_name_or_path", base, "--output_dir",
+                      tmp_path / "out", *FRAMES, "--resolution", "32", *flags)
+    assert_one_line_error(proc, *needles)

@@ -20,7 +20,7 @@ from ..cli import UserError, first_line
 FAMILIES = {"StableDiffusionXLPipeline": "sdxl", "Flux2KleinPipeline": "flux2_klein", "Flux2Pipeline": "flux2",
             "FluxPipeline": "flux", "FluxKontextPipeline": "flux", "StableDiffusion3Pipeline": "sd3",
             "QwenImagePipeline": "qwen_image", "ZImagePipeline": "z_image", "WanPipeline": "wan",
-            "StableDiffusionPipeline": "sd"}
+            "WanImageToVideoPipeline": "wan", "StableDiffusionPipeline": "sd"}
 # Known bases a family refuses, with its module's NO_REFERENCES as the reason.
 REFUSED = {"QwenImageEditPipeline": "qwen_image", "QwenImageEditPlusPipeline": "qwen_image"}
 UNET_PREFIXES = ("unet.", "lora_unet_down_blocks_", "lora_unet_up_blocks_", "lora_unet_mid_block_")
