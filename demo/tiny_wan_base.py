@@ -22,6 +22,7 @@ import json
 import math
 import os
 import platform
+import re
 import shutil
 import subprocess
 import sys
@@ -241,7 +242,7 @@ def finish(args):
         "",
         "Rebuilt by (`make tiny-wan-base`):",
         "```",
-        *(" ".join(command.split()) for command in args.commands.split(" ;; ")),
+        *(" ".join(re.sub(r"\\\s*\n", " ", command).split()) for command in args.commands.split(" ;; ")),
         "```",
         "",
     ]
