@@ -43,7 +43,8 @@ def known_clips(direction, speed=2, count=20, seed=0):
     index = rng.choice(len(digits.images), count, replace=False)
     clips = [np.stack([np.asarray(f) for f in digit_clip(digits.images[i], 9, 32, direction, speed,
                                                          int(rng.integers(2, 15)))]) for i in index]
-    return torch.from_numpy(np.stack(clips)).permute(0, 1, 4, 2, 3).float() / 255, torch.from_numpy(digits.target[index])
+    labels = torch.from_numpy(digits.target[index])
+    return torch.from_numpy(np.stack(clips)).permute(0, 1, 4, 2, 3).float() / 255, labels
 
 
 def test_the_motion_measure_reads_the_drift_and_the_digit_of_known_clips():
