@@ -6,7 +6,8 @@ captioned "a handwritten digit 7 moving left". Three steps, each a command of th
 records them):
 1. `python -m demo.tiny_wan_base vae`: trains the VAE (AutoencoderKLWan, 3-D causal: 2 x 2 patches, then two levels
    that each halve the frames and the sides: 9 frames of 32 px -> 3 x 4 x 4 x 16 latents) on moving digits drawn on
-   the fly, either direction (a VAE is not the place to learn the motion), L1 + a small KL term; then its per-channel
+   the fly, either direction (a VAE is not the place to learn the motion), an L1 heavier on the digit + a small KL
+   term; then its per-channel
    latents_mean and latents_std from the training clips. It writes the starting WanPipeline: this VAE, a random-init
    2-layer UMT5 (frozen) with a word-level tokenizer of the captions' words ("right" among them, which no training
    caption of the base holds), flow matching with shift 1, and transformer_config.json (WanTransformer3DModel: 4
@@ -26,14 +27,15 @@ import re
 import shutil
 import subprocess
 import sys
+import textwrap
 import time
 
 FRAMES, SIZE, SPEED = 9, 32, 2  # the clips: 9 frames of 32 px, the digit moving 2 px a frame
 PIPELINE_FILES = ("model_index.json", "scheduler", "text_encoder", "tokenizer", "transformer", "vae")
 VAE_CONFIG = dict(base_dim=16, z_dim=16, dim_mult=[1, 2, 2], num_res_blocks=1, temperal_downsample=[True, True],
                   patch_size=2, in_channels=12, out_channels=12, scale_factor_spatial=8, scale_factor_temporal=4)
-TRANSFORMER_CONFIG = dict(patch_size=(1, 2, 2), num_attention_heads=4, attention_head_dim=24, in_channels=16,
-                          out_channels=16, text_dim=64, freq_dim=256, ffn_dim=256, num_layers=4, cross_attn_norm=True,
+TRANSFORMER_CONFIG = dict(patch_size=(1, 2, 2), num_attention_heads=4, attention_head_dim=32, in_channels=16,
+                          out_channels=16, text_dim=64, freq_dim=256, ffn_dim=256, num_layers=6, cross_attn_norm=True,
                           qk_norm="rms_norm_across_heads", rope_max_seq_len=32)
 UMT5_CONFIG = dict(d_model=64, d_ff=128, d_kv=16, num_heads=4, num_layers=2, relative_attention_num_buckets=32,
                    relative_attention_max_distance=128, feed_forward_proj="gated-gelu")
@@ -82,7 +84,6 @@ def decode_unclamped(vae, z):
 def train_vae(args):
     """Train the VAE, measure it, and write the starting pipeline to args.output_dir."""
     import torch
-    import torch.nn.functional as F
     from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanPipeline, WanTransformer3DModel
     from sklearn.datasets import load_digits
     from transformers import UMT5Config, UMT5EncoderModel
@@ -100,13 +101,15 @@ def train_vae(args):
     generator = torch.Generator().manual_seed(args.seed)
     start = time.time()
     # The loop: random clips, whole or (2 steps in 3, for speed) 5 of their frames, the first 5 or the last -> encode,
-    # sample, decode -> L1 + kl_weight * KL (per pixel value).
+    # decode the mode (what the recipes train the transformer on) -> L1, ink_weight times heavier on the digit's pixels
+    # than on the black (most of the frame), + kl_weight * KL (per pixel value).
     for step in range(1, args.max_train_steps + 1):
         clips = random_clips(digits, args.train_batch_size, generator)
         x = clips if step % 3 == 0 else clips[:, :, :5] if step % 3 == 1 else clips[:, :, 4:]
         posterior = vae.encode(x).latent_dist
-        reconstruction = decode_unclamped(vae, posterior.sample(generator=generator))
-        l1 = F.l1_loss(reconstruction, x)
+        reconstruction = decode_unclamped(vae, posterior.mode())
+        weight = 1 + (args.ink_weight - 1) * (x > -0.9).float()
+        l1 = ((reconstruction - x).abs() * weight).sum() / weight.sum()
         loss = l1 + args.kl_weight * posterior.kl().mean() / x[0].numel()
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -222,10 +225,14 @@ def finish(args):
         "```python",
         "import torch",
         "from diffusers import WanPipeline",
+        "from diffusers.utils import export_to_gif",
         "",
         f"pipe = WanPipeline.from_pretrained(\"{args.output_dir}\")",
-        f"video = pipe(\"a handwritten digit 7 moving left\", {call},",
-        "             generator=torch.Generator().manual_seed(0)).frames[0]",
+        *textwrap.wrap(f"video = pipe(\"a handwritten digit 7 moving left\", {call}, "
+                       "output_type=\"pil\", generator=torch.Generator().manual_seed(0)).frames[0]", 116,
+                       subsequent_indent=" " * 13,
+                       break_on_hyphens=False, break_long_words=False),
+        "export_to_gif(video, \"sample.gif\", fps=16)",
         "```",
         "",
         "| | |", "|---|---|",
@@ -260,10 +267,11 @@ def main(argv=None):
     steps = parser.add_subparsers(dest="step", required=True)
     vae = steps.add_parser("vae", help="Train the VAE; write the starting pipeline and the transformer config.")
     vae.add_argument("--output_dir", default="outputs/tiny-wan-base/init")
-    vae.add_argument("--max_train_steps", type=int, default=1000)
+    vae.add_argument("--max_train_steps", type=int, default=2000)
     vae.add_argument("--train_batch_size", type=int, default=8)
     vae.add_argument("--learning_rate", type=float, default=3e-3)
     vae.add_argument("--kl_weight", type=float, default=1e-6)
+    vae.add_argument("--ink_weight", type=float, default=5.0, help="The L1 weight of the digit's pixels.")
     vae.add_argument("--seed", type=int, default=0)
     fin = steps.add_parser("finish", help="Measure the trained pipeline and write the shipped folder.")
     fin.add_argument("--model", default="outputs/tiny-wan-base/transformer", help="train_text_to_image.py's output.")
