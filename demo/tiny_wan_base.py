@@ -6,12 +6,11 @@ captioned "a handwritten digit 7 moving left". Three steps, each a command of th
 records them):
 1. `python -m demo.tiny_wan_base vae`: trains the VAE (AutoencoderKLWan, 3-D causal: 2 x 2 patches, then two levels
    that each halve the frames and the sides: 9 frames of 32 px -> 3 x 4 x 4 x 16 latents) on moving digits drawn on
-   the fly, either direction (a VAE is not the place to learn the motion), an L1 heavier on the digit + a small KL
-   term; then its per-channel
-   latents_mean and latents_std from the training clips. It writes the starting WanPipeline: this VAE, a random-init
+   the fly, either direction (a VAE is not the place to learn the motion), on its latents' mode, an L1 heavier on
+   the digit + a small KL term; then its per-channel latents_mean and latents_std from such clips. It writes the starting WanPipeline: this VAE, a random-init
    2-layer UMT5 (frozen) with a word-level tokenizer of the captions' words ("right" among them, which no training
-   caption of the base holds), flow matching with shift 1, and transformer_config.json (WanTransformer3DModel: 4
-   blocks, 96 wide, 1 x 2 x 2 patches: 12 tokens a clip).
+   caption of the base holds), flow matching with shift 1, and transformer_config.json (WanTransformer3DModel: 6
+   blocks, 128 wide, 1 x 2 x 2 patches: 12 tokens a clip).
 2. train_text_to_image.py trains a fresh transformer from that config on the left-moving clips (--num_frames 9),
    with caption dropout and an EMA.
 3. `python -m demo.tiny_wan_base finish`: measures the result (demo/motion_eval.py: 100 clips per prompt set, "...
@@ -197,7 +196,7 @@ def finish(args):
     lines = [
         "# tiny-wan-digits: a tiny Wan-architecture text-to-video model trained on moving digits",
         "",
-        "A `WanPipeline` (WanTransformer3DModel: 4 blocks, 96 wide, 1 x 2 x 2 patches; AutoencoderKLWan, 3-D causal, "
+        "A `WanPipeline` (WanTransformer3DModel: 6 blocks, 128 wide, 1 x 2 x 2 patches; AutoencoderKLWan, 3-D causal, "
         "trained here: 9 frames of 32 px -> 3 x 4 x 4 x 16 latents; a 2-layer random-init UMT5 with a word-level "
         "tokenizer) that draws a clip of the digit a prompt asks for drifting left: \"a handwritten digit 7 moving "
         "left\" gives a 7, white on black, moving 2 px a frame across 9 frames of 32 px. It never saw a digit move "
