@@ -7,10 +7,10 @@ records them):
 1. `python -m demo.tiny_wan_base vae`: trains the VAE (AutoencoderKLWan, 3-D causal: 2 x 2 patches, then two levels
    that each halve the frames and the sides: 9 frames of 32 px -> 3 x 4 x 4 x 16 latents) on moving digits drawn on
    the fly, either direction (a VAE is not the place to learn the motion), on its latents' mode, an L1 heavier on
-   the digit + a small KL term; then its per-channel latents_mean and latents_std from such clips. It writes the starting WanPipeline: this VAE, a random-init
-   2-layer UMT5 (frozen) with a word-level tokenizer of the captions' words ("right" among them, which no training
-   caption of the base holds), flow matching with shift 1, and transformer_config.json (WanTransformer3DModel: 6
-   blocks, 128 wide, 1 x 2 x 2 patches: 12 tokens a clip).
+   the digit + a small KL term; then its per-channel latents_mean and latents_std from such clips. It writes the
+   starting WanPipeline: this VAE, a random-init 2-layer UMT5 (frozen) with a word-level tokenizer of the captions'
+   words ("right" among them, which no training caption of the base holds), flow matching with shift 1, and
+   transformer_config.json (WanTransformer3DModel: 6 blocks, 128 wide, 1 x 2 x 2 patches: 12 tokens a clip).
 2. train_text_to_image.py trains a fresh transformer from that config on the left-moving clips (--num_frames 9),
    with caption dropout and an EMA.
 3. `python -m demo.tiny_wan_base finish`: measures the result (demo/motion_eval.py: 100 clips per prompt set, "...
