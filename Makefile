@@ -226,7 +226,7 @@ VIDEO_LORA_OUT = $(or $(OUTPUT),outputs/video-lora)
 WAN_LORA_TARGETS := to_k,to_q,to_v,to_out.0,ffn.net.0.proj,ffn.net.2
 VIDEO_LORA_ARGS := --pretrained_model_name_or_path assets/tiny-wan-digits --train_data_dir $(RIGHT_CLIPS) \
   --num_frames 9 --resolution 32 --buckets auto --cache_latents --rank 32 --target_modules $(WAN_LORA_TARGETS) \
-  --learning_rate 1e-3 --train_batch_size 16 --max_train_steps 1600 \
+  --learning_rate 1e-3 --train_batch_size 16 --max_train_steps 3200 \
   --validation_prompt "a handwritten digit 7 moving right" --output_dir $(VIDEO_LORA_OUT)
 .PHONY: tiny-wan-base train-video-lora
 train-video-lora: $(RIGHT_CLIPS)/0000.txt

@@ -41,7 +41,7 @@ UMT5_CONFIG = dict(d_model=64, d_ff=128, d_kv=16, num_heads=4, num_layers=2, rel
 MAX_SEQUENCE_LENGTH = 16  # UMT5 tokens: a caption is 7
 SCHEDULER_CONFIG = dict(num_train_timesteps=1000, shift=1.0, use_dynamic_shifting=False)
 # How sample.py draws the base (the model card's call, which it reads) and how `finish` measures it
-SAMPLE = dict(height=SIZE, width=SIZE, num_frames=FRAMES, num_inference_steps=30, guidance_scale=5.0,
+SAMPLE = dict(height=SIZE, width=SIZE, num_frames=FRAMES, num_inference_steps=30, guidance_scale=3.0,
               max_sequence_length=MAX_SEQUENCE_LENGTH)
 WORDS = ["a", "handwritten", "digit", *map(str, range(10)), "moving", "left", "right"]
 
