@@ -432,7 +432,8 @@ def main(args):
                  "validation prompts": "; ".join(args.validation_prompt) or "none"},
                 # what sample.py then draws: the training size and T5 length, the base's steps and guidance
                 model_snippet(family, args.output_dir, (args.validation_prompt or [captions.prompts[-1]])[0],
-                              {"resolution": args.resolution, "max_sequence_length": args.max_sequence_length},
+                              {"resolution": args.resolution, "max_sequence_length": args.max_sequence_length,
+                               "num_frames": (args.clip_frames or [None])[0]},  # (a video base's training clips)
                               base=base, unconditional=args.caption_dropout_prob > 0, cache_dir=args.cache_dir),
                 images=[os.path.relpath(p, args.output_dir) for p in images])
         metrics = {"trainable_parameters": num_trainable, "mixed_precision": accelerator.mixed_precision,

@@ -28,9 +28,10 @@ def digit_clip(image, frames=9, size=32, direction="left", speed=1, top=8):
     return clips
 
 
-def write_moving_digits(output_dir, count=8, frames=9, size=32, direction="left", formats=("mp4",), seed=0):
+def write_moving_digits(output_dir, count=8, frames=9, size=32, direction="left", formats=("mp4",), seed=0, speed=1):
     """`count` clips under output_dir, the i-th written in formats[i % len(formats)] ("mp4", "gif" or "frames": a
-    folder of PNGs); captions "a handwritten digit N moving <direction>". -> the clip paths."""
+    folder of PNGs), the digit moving `speed` px a frame; captions "a handwritten digit N moving <direction>". -> the
+    clip paths."""
     import numpy as np
     from sklearn.datasets import load_digits
 
@@ -41,7 +42,7 @@ def write_moving_digits(output_dir, count=8, frames=9, size=32, direction="left"
     os.makedirs(output_dir, exist_ok=True)
     paths = []
     for i, index in enumerate(rng.choice(len(digits.images), count, replace=False)):
-        clip = digit_clip(digits.images[index], frames, size, direction, top=int(rng.integers(2, size // 2 - 1)))
+        clip = digit_clip(digits.images[index], frames, size, direction, speed, top=int(rng.integers(2, size // 2 - 1)))
         kind, name = formats[i % len(formats)], os.path.join(output_dir, f"{i:04d}")
         if kind == "frames":
             os.makedirs(name, exist_ok=True)
@@ -62,6 +63,9 @@ if __name__ == "__main__":
     parser.add_argument("--num_frames", type=int, default=9)
     parser.add_argument("--direction", choices=["left", "right"], default="left")
     parser.add_argument("--format", choices=["mp4", "gif", "frames"], default="mp4")
+    parser.add_argument("--speed", type=int, default=1, help="Pixels a frame.")
+    parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    write_moving_digits(args.output_dir, args.count, args.num_frames, direction=args.direction, formats=(args.format,))
+    write_moving_digits(args.output_dir, args.count, args.num_frames, direction=args.direction, formats=(args.format,),
+                        seed=args.seed, speed=args.speed)
     print(f"wrote {args.count} clips of {args.num_frames} frames to {args.output_dir}")

@@ -42,16 +42,17 @@ def caption_words():
     return sorted(words)
 
 
-def word_t5_tokenizer(model_max_length=512):
-    """T5TokenizerFast over a Unigram vocabulary in T5's layout: each caption word one piece ("▁seven"), any other
-    word spelt in characters; <pad> 0, </s> 1, <unk> 2, then the pieces and 100 sentinels."""
+def word_t5_tokenizer(model_max_length=512, words=None):
+    """T5TokenizerFast over a Unigram vocabulary in T5's layout: each caption word (`words`, the digits' by default)
+    one piece ("▁seven"), any other word spelt in characters; <pad> 0, </s> 1, <unk> 2, then the pieces and 100
+    sentinels."""
     import string
 
     from transformers import T5TokenizerFast
 
     chars = [c for c in string.printable if c not in string.whitespace]
-    pieces = ([("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("▁", -2.0)] + [("▁" + w, -1.0) for w in caption_words()]
-              + [(c, -4.0) for c in chars])
+    pieces = ([("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("▁", -2.0)]
+              + [("▁" + w, -1.0) for w in words or caption_words()] + [(c, -4.0) for c in chars])
     return T5TokenizerFast(vocab=pieces, extra_ids=100, model_max_length=model_max_length)
 
 

@@ -137,6 +137,7 @@ def test_train_text_to_image_trains_the_wan_transformer_on_clips(tiny_wan, clips
     trained = WanTransformer3DModel.from_pretrained(out / "transformer").state_dict()
     base = WanTransformer3DModel.from_pretrained(tiny_wan / "transformer").state_dict()
     assert any(not torch.equal(trained[k], base[k]) for k in base)
+    assert "num_frames=5" in (out / "README.md").read_text()  # the card (and so sample.py) draws the training clips
 
 def test_clips_are_read_from_video_files_gifs_and_folders_of_frames_and_images_are_one_frame(clips, tmp_path):
     from common.image_data import read_frames
