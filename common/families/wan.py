@@ -34,6 +34,7 @@ PIPELINE = "WanPipeline"
 DENOISER = "transformer"
 # Wan 2.2 TI2V-5B's image-to-video: the pipeline that draws from a first frame (sample.py --image), and its bases
 I2V_PIPELINE = "WanImageToVideoPipeline"
+PIPELINES = (I2V_PIPELINE,)  # the image-to-video bases' model_index.json names it
 REFERENCES = 1  # the first frame (TI2V-5B bases only: check_first_frame)
 EDIT_PIPELINE = I2V_PIPELINE
 SWAP_BLOCKS = ("blocks",)  # the denoiser's blocks, in the order its forward runs them
