@@ -327,7 +327,7 @@ lint: install
 # Two test processes (pytest-xdist), one test module each at a time (tests/conftest.py's scheduler), each on one
 # thread, as the single-threaded subprocesses that most tests run: on 2 cores, more threads only spin against each other.
 TEST_WORKERS ?= 2
-test: lint
+test: lint data
 	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup \
 	  tests $(ARGS)
 

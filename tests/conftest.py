@@ -15,6 +15,14 @@ CONFIGS = ROOT / "accelerate_configs"
 sys.path.insert(0, str(ROOT))
 
 
+# `make` as the tests run a target: never (re)build the venv or the bundled data (a test gives its own data; two makes
+# at once in a fresh clone would each write data/). The Makefile's `data` prerequisites and more, by their files.
+MAKE = ["make", "--no-print-directory"] + [arg for target in (
+    ".venv/.installed", "data/digits/train/metadata.jsonl", "data/digits-red-ink/train/metadata.jsonl",
+    "data/digits-captions/0", "data/digits-red-ink-masks/train", "data/digits-red-ink-blot-masks/train")
+    for arg in ("-o", target)]
+
+
 def offline_env(**extra):
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", WANDB_MODE="offline",
                ACCELERATE_USE_CPU="1", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",

@@ -12,6 +12,7 @@ import pytest
 import torch
 from conftest import (
     CONFIGS,
+    MAKE,
     ROOT,
     assert_one_line_error,
     free_port,
@@ -220,9 +221,7 @@ def test_a_machine_that_never_comes_is_one_line_not_a_hang(digits, tmp_path):
     port, other_port = free_port(), free_port()
     while other_port == port:
         other_port = free_port()
-    make = ["make", "--no-print-directory", "-o", ".venv/.installed", "-o", "data/digits/train/metadata.jsonl",
-            "-o", "data/digits-red-ink/train/metadata.jsonl", "-o", "data/digits-captions/0",  # (the digits fixture)
-            "train-classifier", "CONFIG=accelerate_configs/cpu_multi_node.yaml", f"OUTPUT={tmp_path / 'out'}",
+    make = [*MAKE, "train-classifier", "CONFIG=accelerate_configs/cpu_multi_node.yaml", f"OUTPUT={tmp_path / 'out'}",
             f"ARGS=--train_data_dir {digits} --ddp_timeout 3"]
     main, other = [subprocess.Popen(cmd, cwd=ROOT, env=offline_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                     text=True)

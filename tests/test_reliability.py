@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import (
+    MAKE,
     ROOT,
     assert_one_line_error,
     free_port,
@@ -246,13 +247,12 @@ def test_torch_compile_checkpoints_resumes_and_saves_the_plain_weights(digits, t
 
 
 # Through the Makefile (common/launch.py around `accelerate launch`), as users run the recipes.
-MAKE = ["make", "--no-print-directory", "-o", ".venv/.installed", "-o", "data/digits/train/metadata.jsonl",
-        "train-classifier"]
+MAKE_CLASSIFIER = [*MAKE, "train-classifier"]
 
 
 @pytest.mark.parametrize("config", ["cpu.yaml", "cpu_2proc.yaml"])
 def test_through_make_a_user_error_is_one_line_without_the_launchers_traceback(config, digits, tmp_path):
-    proc = subprocess.run([*MAKE, f"CONFIG=accelerate_configs/{config}", f"MAIN_PORT={free_port()}",
+    proc = subprocess.run([*MAKE_CLASSIFIER, f"CONFIG=accelerate_configs/{config}", f"MAIN_PORT={free_port()}",
                            f"OUTPUT={tmp_path / 'out'}",
                            f"ARGS=--train_data_dir {digits} --max_train_steps 0"],
                           cwd=ROOT, env=offline_env(), capture_output=True, text=True, timeout=300)
@@ -265,7 +265,8 @@ def test_ctrl_c_through_make_returns_after_the_checkpoint_is_written(config, dig
     # A terminal's Ctrl-C signals the whole foreground process group: make, the launcher and (one process) the
     # script. The launcher must wait for the script's checkpoint instead of dying with a KeyboardInterrupt.
     out = tmp_path / "out"
-    proc = subprocess.Popen([*MAKE, f"CONFIG=accelerate_configs/{config}", f"MAIN_PORT={free_port()}", f"OUTPUT={out}",
+    proc = subprocess.Popen([*MAKE_CLASSIFIER, f"CONFIG=accelerate_configs/{config}", f"MAIN_PORT={free_port()}",
+                             f"OUTPUT={out}",
                              f"ARGS=--train_data_dir {digits} --max_train_steps 100000"], cwd=ROOT, env=offline_env(),
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
     deadline = time.time() + 300

@@ -530,7 +530,8 @@ def i2v_run(request, i2v_bases, clips, tmp_path_factory):
     out = tmp_path_factory.mktemp(f"lora-wan-{variant}") / "run"
     steps = [flag for flag in STEPS if flag != "--cache_latents" or variant == "ti2v-i2v"]  # (else: from the pixels)
     launch("train_lora.py", "--train_data_dir", clips, "--pretrained_model_name_or_path", base, "--output_dir", out,
-           *steps, *SPLIT, *VALIDATION, *I2V[variant])
+           *steps, *SPLIT, *VALIDATION, *I2V[variant],
+           config="cpu_2proc.yaml" if variant == "ti2v-i2v" else "cpu.yaml")  # (TI2V-5B's in two processes)
     return variant, base, clips, out
 
 

@@ -321,7 +321,8 @@ def first_frame_denoise(transformer, noisy, timesteps, cond, guidance=None):
     import torch
 
     if noisy.ndim == 5 and noisy.shape[2] > 1:
-        _, p, q = patch_size({"transformer": transformer.config})
+        config = transformer.config if hasattr(transformer, "config") else transformer.module.config  # (DDP's)
+        _, p, q = patch_size({"transformer": config})
         f, h, w = noisy.shape[2:]
         later = torch.ones(f, h // p, w // q, device=noisy.device, dtype=timesteps.dtype)
         later[0] = 0
