@@ -528,11 +528,17 @@ def i2v_bases(tmp_path_factory):
 def i2v_run(request, i2v_bases, clips, tmp_path_factory):
     variant, base = request.param, i2v_bases[request.param]
     out = tmp_path_factory.mktemp(f"lora-wan-{variant}") / "run"
-    steps = [flag for flag in STEPS if flag != "--cache_latents" or variant == "ti2v-i2v"]  # (else: from the pixels)
     launch("train_lora.py", "--train_data_dir", clips, "--pretrained_model_name_or_path", base, "--output_dir", out,
-           *steps, *SPLIT, *VALIDATION, *I2V[variant],
-           config="cpu_2proc.yaml" if variant == "ti2v-i2v" else "cpu.yaml")  # (TI2V-5B's in two processes)
+           *i2v_steps(variant), *SPLIT, *VALIDATION, *I2V[variant], config=i2v_config(variant))
     return variant, base, clips, out
+
+
+def i2v_steps(variant):
+    return [flag for flag in STEPS if flag != "--cache_latents" or variant == "ti2v-i2v"]  # (else: from the pixels)
+
+
+def i2v_config(variant):
+    return "cpu_2proc.yaml" if variant == "ti2v-i2v" else "cpu.yaml"  # (TI2V-5B's in two processes)
 
 
 @pytest.mark.parametrize("variant", ["i2v-a14b", "i2v"])
@@ -635,18 +641,16 @@ def test_an_image_to_video_lora_loads_back_and_sample_py_draws_wanimagetovideopi
     assert Image.open(tmp_path / "sample.gif").n_frames == 5
 
 
-@pytest.mark.parametrize("i2v_run", ["i2v-a14b"], indirect=True)
-def test_an_i2v_a14b_run_resumes_exactly(i2v_run, tmp_path):
-    """Wan 2.2 I2V A14B's run (its condition encoded from the batch's pixels, the held-out clips' once) resumed from
-    checkpoint-2 ends where the straight run ends."""
+def test_an_image_to_video_run_resumes_exactly(i2v_run, tmp_path):
+    """Each image-to-video run (its condition encoded from the batch's pixels, the held-out clips' once; TI2V-5B's from
+    the latent cache, in two processes) resumed from checkpoint-2 ends where the straight run ends."""
     variant, base, clips, out = i2v_run
     resumed = tmp_path / "run"
     shutil.copytree(out / "checkpoint-2", resumed / "checkpoint-2")
     launch("train_lora.py", "--train_data_dir", clips, "--pretrained_model_name_or_path", base, "--output_dir", resumed,
-           *[flag for flag in STEPS if flag != "--cache_latents"], *SPLIT, *I2V[variant], "--resume_from_checkpoint",
-           "latest")
-    straight, again = (load_file(run / "checkpoint-4" / "transformer_2" / "adapter_model.safetensors")
-                       for run in (out, resumed))
+           *i2v_steps(variant), *SPLIT, *I2V[variant], "--resume_from_checkpoint", "latest", config=i2v_config(variant))
+    name = "transformer_2" if variant == "i2v-a14b" else "transformer"
+    straight, again = (load_file(run / "checkpoint-4" / name / "adapter_model.safetensors") for run in (out, resumed))
     assert straight.keys() == again.keys() and all(torch.equal(straight[k], again[k]) for k in straight)
 
 
