@@ -126,6 +126,27 @@ def shift_and_scale_vae(vae):
     vae.register_to_config(shift_factor=shift, scaling_factor=round(1 / (latents - shift).std().item(), 4))
 
 
+def build_model(build, device="cpu", dtype=None, empty=False):
+    """build() in its final dtype on `device` (a large model initialises far faster on a GPU), then moved to the CPU,
+    so that only one model at a time takes memory on the device; `empty`: its weights on the meta device and its
+    buffers as built, for demo.tiny_sd's `materialize` to fill."""
+    import torch
+
+    if empty:
+        from demo.tiny_sd import empty_weights
+
+        with empty_weights():
+            return build()
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(dtype or default_dtype)
+    try:
+        with torch.device(device):
+            model = build().to(dtype or default_dtype)  # buffers a model makes in float32 too
+    finally:
+        torch.set_default_dtype(default_dtype)
+    return model if device == "meta" else model.cpu()
+
+
 def build_random_flow(configs, seed=0, device="cpu", dtype=None, empty=False):
     """-> StableDiffusion3Pipeline or FluxPipeline with random weights (deterministic for a seed and device), on the
     CPU; on device "meta" nothing is allocated (for counting parameters and tracing shapes). `empty`: the models'
@@ -147,23 +168,8 @@ def build_random_flow(configs, seed=0, device="cpu", dtype=None, empty=False):
     t5_config = T5Config(**{"vocab_size": len(t5_tok), **configs["t5"]}, pad_token_id=t5_tok.pad_token_id,
                          eos_token_id=t5_tok.eos_token_id, decoder_start_token_id=t5_tok.pad_token_id)
     sd3 = configs["pipeline"] == "sd3"
-    default_dtype = torch.get_default_dtype()
-
     def make(build):
-        if empty:
-            from demo.tiny_sd import empty_weights
-
-            with empty_weights():
-                return build()
-        # Built in its final dtype on the device (a large model initialises far faster on a GPU), then moved to the
-        # CPU before the next one, so that only one model at a time takes memory on the device.
-        torch.set_default_dtype(dtype or default_dtype)
-        try:
-            with torch.device(device):
-                model = build().to(dtype or default_dtype)  # buffers a model makes in float32 too
-        finally:
-            torch.set_default_dtype(default_dtype)
-        return model if device == "meta" else model.cpu()
+        return build_model(build, device, dtype, empty)
 
     clip_class = CLIPTextModelWithProjection if sd3 else CLIPTextModel
     parts = {"text_encoder": make(lambda: clip_class(clip_config(configs["text"], vocab))),

@@ -51,26 +51,12 @@ def build_random_wan(configs, seed=0, device="cpu", dtype=None, empty=False):
     from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanPipeline, WanTransformer3DModel
     from transformers import UMT5Config, UMT5EncoderModel
 
-    from demo.tiny_flow import t5_tokenizer
+    from demo.tiny_flow import build_model, t5_tokenizer
 
     torch.manual_seed(seed)
     tokenizer = t5_tokenizer(model_max_length=512)
-    default_dtype = torch.get_default_dtype()
-
     def make(build):
-        if empty:
-            from demo.tiny_sd import empty_weights
-
-            with empty_weights():
-                return build()
-        torch.set_default_dtype(dtype or default_dtype)
-        try:
-            with torch.device(device):
-                model = build()
-                model = model.to(dtype) if dtype else model  # (buffers a model makes in float32 too)
-        finally:
-            torch.set_default_dtype(default_dtype)
-        return model if device == "meta" else model.cpu()
+        return build_model(build, device, dtype, empty)
 
     text_config = UMT5Config(**configs["text"], pad_token_id=tokenizer.pad_token_id,
                              eos_token_id=tokenizer.eos_token_id, decoder_start_token_id=tokenizer.pad_token_id)
