@@ -246,7 +246,7 @@ def main(args):
     # <domain: model>
     from diffusers.training_utils import EMAModel, cast_training_params
 
-    from common.base_models import lazy_latent_cache, load_parts, offload_idle_models
+    from common.base_models import lazy_latent_cache, load_parts, offload_idle_models, unused_parts
     from common.lora_adapters import add_lora, place_frozen_denoiser, quantization_config
     from common.objectives import make_objective
     from common.prompts import Conditioning
@@ -255,7 +255,7 @@ def main(args):
     quiet_loading_bars()
     quantization = quantization_config(args, weight_dtype, accelerator.device)  # --quantize_base nf4 (QLoRA)
     parts = load_parts(family, path, dtype=weight_dtype, revision=args.revision, variant=args.variant,
-                       cache_dir=args.cache_dir, skip=family.OPTIONAL_COMPONENTS if args.drop_t5 else (),
+                       cache_dir=args.cache_dir, skip=unused_parts(family, args),
                        quantization_config=quantization)
     noise_scheduler, vae, denoiser = parts["scheduler"], parts["vae"], parts[family.DENOISER]
     args.max_sequence_length = family.text_length(parts, args.max_sequence_length, training=True)  # T5's, if any

@@ -182,6 +182,14 @@ def load_parts(family, path, flag="--pretrained_model_name_or_path", *, dtype, d
     return combine(parts) if combine else parts
 
 
+def unused_parts(family, args):
+    """The base's components a LoRA run leaves unloaded (load_parts' `skip`): T5 with --drop_t5
+    (family.OPTIONAL_COMPONENTS), and a Wan 2.2 A14B base's other expert when no validation clips are drawn: only the
+    pipeline's sampling runs it, and it is about 28 GB of host memory in bf16."""
+    skip = tuple(family.OPTIONAL_COMPONENTS or ()) if getattr(args, "drop_t5", False) else ()
+    return skip + (() if args.validation_prompt else tuple(getattr(family, "FROZEN_EXPERTS", ())))
+
+
 def lora_dtypes(mixed_precision):
     """accelerator.mixed_precision -> (dtype of the frozen weights, dtype of the trainable LoRA weights).
 

@@ -210,7 +210,8 @@ def materialize(pipe, device, dtype=None):
     """Fill the meta weights of an `empty` pipeline's models on `device` (in `dtype`), with PyTorch's default
     initialisation statistics drawn at once (uniform within +-1/sqrt(fan_in) for matrices, convolution kernels and
     embeddings; norm scales 1, biases 0), and move their buffers there: seconds for a 12 B model on a GPU, where each
-    layer's own init would run layer by layer (or minutes on a CPU)."""
+    layer's own init would run layer by layer (or minutes on a CPU). The weights a model ties (T5's token embeddings:
+    `shared` and the encoder's `embed_tokens`) are tied again, one tensor saved once, as in the published model."""
     import torch
     from accelerate.utils import set_module_tensor_to_device
 
@@ -229,6 +230,8 @@ def materialize(pipe, device, dtype=None):
             else:
                 value.fill_(1.0)  # norms' scales (and the rare other vector: a neutral 1)
             set_module_tensor_to_device(model, name, device, value=value, dtype=value.dtype)
+        if hasattr(model, "tie_weights"):  # (transformers' models: built empty, their tied weights were drawn apart)
+            model.tie_weights()
         model.to(device)
 
 

@@ -81,10 +81,7 @@ def write_random_wan(output_dir, architecture, seed=0, device="cpu", fast=False,
     configs = configs or CONFIGS[architecture]
     pipe = build_random_wan(configs, seed, device, torch.bfloat16, empty=fast)
     if fast:
-        materialize(pipe, device, torch.bfloat16)
-        # materialize fills each tensor once and the tie (the encoder's embed_tokens is UMT5's `shared`) is lost: tied
-        # again, as the published model has it (one table, saved once)
-        pipe.text_encoder.encoder.embed_tokens.weight = pipe.text_encoder.shared.weight
+        materialize(pipe, device, torch.bfloat16)  # (UMT5's tied embedding table stays one, saved once)
     output_dir = output_dir.rstrip("/")
     tmp = output_dir + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)

@@ -320,6 +320,25 @@ def wan_builds(tmp_path_factory):
     return {arch: folder / arch for arch in CONFIGS}
 
 
+def test_the_fast_builds_keep_t5s_tied_embedding_table_one_tensor(wan_builds):
+    """The fast build (weights drawn at once) ties the text encoder's embedding table again, as the published T5 and
+    UMT5 have it: one tensor in memory and in the saved file (Flux.1's T5-XXL table alone is 0.26 GB in bf16)."""
+    from safetensors import safe_open
+
+    from demo.tiny_flow import CONFIGS, build_random_flow
+    from demo.tiny_sd import materialize
+
+    pipe = build_random_flow(CONFIGS["tiny-flux"](), empty=True)
+    materialize(pipe, "cpu")
+    t5 = pipe.text_encoder_2
+    assert t5.encoder.embed_tokens.weight is t5.shared.weight and not t5.shared.weight.is_meta
+    for arch, folder in wan_builds.items():
+        (weights,) = (folder / "text_encoder").glob("*.safetensors")
+        with safe_open(weights, "pt") as f:
+            assert [k for k in f.keys() if k.endswith("embed_tokens.weight") or k == "shared.weight"] == \
+                ["shared.weight"], arch
+
+
 def test_the_wan_pieces_commands_parse_and_take_480x832_clips(tmp_path, wan_builds):
     """Each run of the Wan pieces (workloads.toml), as the driver launches it, parses in train_lora.py (every flag is
     one it has; the base a tiny build of the same layout in place of the real one), swaps at most the real model's

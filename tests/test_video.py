@@ -508,6 +508,23 @@ def test_wan_expert_defaults_to_high_and_what_it_cannot_take_is_one_line(tiny_wa
         assert args.wan_expert == "high"
 
 
+@pytest.mark.parametrize("expert", ["high", "low"])
+def test_an_a14b_experts_run_loads_the_other_expert_only_to_draw_validation_clips(tiny_wan_a14b, expert):
+    """The frozen expert is only the pipeline's, for validation clips: a run without --validation_prompt leaves it
+    unloaded (on A14B about 28 GB of host memory), one with it loads it."""
+    import argparse
+
+    from common.base_models import load_parts, unused_parts
+    from common.families import load_family
+
+    family = load_family(str(tiny_wan_a14b), "--pretrained_model_name_or_path", expert=expert)
+    other = "transformer_2" if expert == "high" else "transformer"
+    for prompts in (None, [PROMPT]):
+        args = argparse.Namespace(drop_t5=False, validation_prompt=prompts)
+        parts = load_parts(family, str(tiny_wan_a14b), dtype=torch.float32, skip=unused_parts(family, args))
+        assert parts[EXPERTS[expert]] is not None and (parts[other] is None) == (prompts is None), (expert, prompts)
+
+
 # Image-to-video (WanImageToVideoPipeline): each clip's own first frame is the condition. Wan 2.2 TI2V-5B: its clean
 # latents in the first latent frame's place; Wan 2.2 I2V A14B: its latents and a mask beside the noise (its low
 # expert); Wan 2.1 I2V: the same, and its CLIP image embeddings

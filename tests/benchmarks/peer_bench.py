@@ -66,12 +66,14 @@ def launch():
             os.path.join(ROOT, "accelerate_configs", "cpu.yaml"), "--num_cpu_threads_per_process", "1"]
 
 
-def settings(row, steps=None):
-    return {**row.same, **({"--max_train_steps": str(steps)} if steps else {})}
+def settings(row, steps=None, seed=None):
+    return {**row.same, **({"--max_train_steps": str(steps)} if steps else {}),
+            **({"--seed": str(seed)} if seed is not None else {})}
 
 
-def commands(row, out, steps=None):
-    same = [x for flag, value in settings(row, steps).items() for x in ((flag,) if value is None else (flag, value))]
+def commands(row, out, steps=None, seed=None):
+    same = [x for flag, value in settings(row, steps, seed).items()
+            for x in ((flag,) if value is None else (flag, value))]
     ours = [*launch(), os.path.join(ROOT, "train_lora.py"), "--pretrained_model_name_or_path", row.base,
             *row.ours_data, *same, *row.ours, *row.cache, "--report_to", "tensorboard", "--output_dir",
             os.path.join(out, "ours")]
@@ -81,9 +83,14 @@ def commands(row, out, steps=None):
     return {"ours": ours, "peer": peer}
 
 
-def environment():
-    return dict(os.environ, ACCELERATE_USE_CPU="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", OMP_NUM_THREADS="1",
-                TOKENIZERS_PARALLELISM="false", TQDM_DISABLE="1", PYTHONPATH=ROOT)
+def environment(progress_bars=False):
+    """The runs' environment. Progress bars off by default (the least output; then each step's work is all that is
+    timed); `progress_bars` leaves them on, as a user's run has them (each script's own bar and its refresh cost)."""
+    env = dict(os.environ, ACCELERATE_USE_CPU="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", OMP_NUM_THREADS="1",
+               TOKENIZERS_PARALLELISM="false", TQDM_DISABLE="1", PYTHONPATH=ROOT)
+    if progress_bars:
+        env.pop("TQDM_DISABLE")
+    return env
 
 
 def held_out_losses(row, folders):
@@ -145,9 +152,10 @@ def held_out_losses(row, folders):
     return results
 
 
-def run(row, repeats=3, steps=None):
-    """Both scripts `repeats` times, interleaved, each a fresh process; then the held-out losses. -> the result,
-    also in outputs/bench/<row.name>.json, and a markdown row printed."""
+def run(row, repeats=3, steps=None, seeds=None, progress_bars=False):
+    """Both scripts `repeats` times for each seed of `seeds` (default: the row's own), interleaved, each a fresh
+    process; then the held-out losses of each seed's two LoRAs. -> the result, also in outputs/bench/<row.name>.json,
+    and a markdown row printed: the median time over every run, the mean held-out loss over the seeds."""
     missing = [path for path in (os.path.join(PEERS, row.peer), os.path.join(ROOT, row.base, "model_index.json"),
                                  *(os.path.join(ROOT, p) for p in row.needs)) if not os.path.isfile(path)]
     if missing:
@@ -155,30 +163,41 @@ def run(row, repeats=3, steps=None):
                  f"`{row.make}` builds the base and the data")
     if row.prepare:
         row.prepare()
+    seeds = seeds or [int(row.same["--seed"])]
     out = os.path.join(ROOT, "outputs", "bench", row.name)
-    times = {"ours": [], "peer": []}
-    for repeat in range(repeats):
-        for name, cmd in commands(row, out, steps).items():  # interleaved, each a fresh process
-            start = time.perf_counter()
-            proc = subprocess.run(cmd, cwd=ROOT, env=environment(), capture_output=True, text=True)
-            if proc.returncode:
-                sys.exit(f"{row.name}: {name} failed:\n{proc.stderr[-3000:]}")
-            times[name].append(round(time.perf_counter() - start, 2))
-            print(f"repeat {repeat + 1}: {name} {times[name][-1]} s (load average {os.getloadavg()[0]:.1f})",
-                  flush=True)
-    losses = held_out_losses(row, {"base": None, "ours": os.path.join(out, "ours"), "peer": os.path.join(out, "peer")})
+    times, per_seed = {"ours": [], "peer": []}, {}
+    for seed in seeds:
+        folder = out if len(seeds) == 1 else os.path.join(out, f"seed{seed}")
+        for repeat in range(repeats):
+            for name, cmd in commands(row, folder, steps, seed).items():  # interleaved, each a fresh process
+                start = time.perf_counter()
+                proc = subprocess.run(cmd, cwd=ROOT, env=environment(progress_bars), capture_output=True, text=True)
+                if proc.returncode:
+                    sys.exit(f"{row.name}: {name} failed:\n{proc.stderr[-3000:]}")
+                times[name].append(round(time.perf_counter() - start, 2))
+                print(f"seed {seed}, repeat {repeat + 1}: {name} {times[name][-1]} s (load average "
+                      f"{os.getloadavg()[0]:.1f})", flush=True)
+        per_seed[seed] = {name: os.path.join(folder, name) for name in ("ours", "peer")}
+    folders = {"base": None, **{f"{name} seed {seed}": path for seed, paths in per_seed.items()
+                                for name, path in paths.items()}}
+    found = held_out_losses(row, folders)
+    losses = {"base": found["base"], **{name: statistics.mean(found[f"{name} seed {seed}"] for seed in seeds)
+                                        for name in ("ours", "peer")}}
     median = {name: statistics.median(values) for name, values in times.items()}
     steps = int(settings(row, steps)["--max_train_steps"])
     source = os.path.join(PEERS, row.source)
     result = {"settings": settings(row, steps), "ours_flags": row.ours, "peer_flags": row.peer_flags, "steps": steps,
-              "seconds": times, "median_s": median, "speedup": round(median["peer"] / median["ours"], 3),
-              "target_speedup": TARGET, "held_out_loss": losses,
+              "seeds": seeds, "progress_bars": progress_bars, "seconds": times, "median_s": median,
+              "speedup": round(median["peer"] / median["ours"], 3), "target_speedup": TARGET,
+              "held_out_loss": losses, "held_out_loss_per_seed": {
+                  seed: {name: found[f"{name} seed {seed}"] for name in ("ours", "peer")} for seed in seeds},
               "commands": {k: " ".join(v) for k, v in commands(row, out, steps).items()},
               "peer_source": json.load(open(source)) if os.path.isfile(source) else None}
     with open(os.path.join(ROOT, "outputs", "bench", f"{row.name}.json"), "w") as f:
         json.dump(result, f, indent=2)
+    mean = f"mean of {len(seeds)} seeds, " if len(seeds) > 1 else ""
     print(f"| {row.title}, tiny, {steps} steps | train_lora.py {median['ours']} s | diffusers {median['peer']} s | "
-          f"{result['speedup']}x (target {TARGET}x) | held-out loss: base {losses['base']:.4f}, ours "
+          f"{result['speedup']}x (target {TARGET}x) | held-out loss ({mean}base {losses['base']:.4f}): ours "
           f"{losses['ours']:.4f}, diffusers' {losses['peer']:.4f} |")
     return result
 
@@ -224,9 +243,14 @@ def main(row, doc, argv=None):
     go = steps.add_parser("run", help="Time both and compare their held-out losses.")
     go.add_argument("--repeats", type=int, default=3)
     go.add_argument("--steps", type=int, default=None, help=f"Default: {row.same['--max_train_steps']}.")
+    go.add_argument("--seeds", type=int, nargs="+", default=None,
+                    help=f"Train with each of these seeds (default: {row.same['--seed']}); the held-out loss is their "
+                         "mean.")
+    go.add_argument("--progress_bars", action="store_true",
+                    help="Leave both scripts' progress bars on, as a user's run has them (default: off).")
     args = parser.parse_args(argv)
     sys.path.insert(0, ROOT)
     if args.step == "fetch":
         fetch(row, args.diffusers_repo)
     else:
-        run(row, args.repeats, args.steps)
+        run(row, args.repeats, args.steps, args.seeds, args.progress_bars)
