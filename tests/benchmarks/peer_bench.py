@@ -83,14 +83,11 @@ def commands(row, out, steps=None, seed=None):
     return {"ours": ours, "peer": peer}
 
 
-def environment(progress_bars=False):
-    """The runs' environment. Progress bars off by default (the least output; then each step's work is all that is
-    timed); `progress_bars` leaves them on, as a user's run has them (each script's own bar and its refresh cost)."""
-    env = dict(os.environ, ACCELERATE_USE_CPU="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", OMP_NUM_THREADS="1",
-               TOKENIZERS_PARALLELISM="false", TQDM_DISABLE="1", PYTHONPATH=ROOT)
-    if progress_bars:
-        env.pop("TQDM_DISABLE")
-    return env
+def environment():
+    # (TQDM_DISABLE quiets the libraries' own bars; both scripts' training bars pass `disable=` and stay, as users see
+    # them: each script pays for its own)
+    return dict(os.environ, ACCELERATE_USE_CPU="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", OMP_NUM_THREADS="1",
+                TOKENIZERS_PARALLELISM="false", TQDM_DISABLE="1", PYTHONPATH=ROOT)
 
 
 def held_out_losses(row, folders):
@@ -152,7 +149,7 @@ def held_out_losses(row, folders):
     return results
 
 
-def run(row, repeats=3, steps=None, seeds=None, progress_bars=False):
+def run(row, repeats=3, steps=None, seeds=None):
     """Both scripts `repeats` times for each seed of `seeds` (default: the row's own), interleaved, each a fresh
     process; then the held-out losses of each seed's two LoRAs. -> the result, also in outputs/bench/<row.name>.json,
     and a markdown row printed: the median time over every run, the mean held-out loss over the seeds."""
@@ -171,7 +168,7 @@ def run(row, repeats=3, steps=None, seeds=None, progress_bars=False):
         for repeat in range(repeats):
             for name, cmd in commands(row, folder, steps, seed).items():  # interleaved, each a fresh process
                 start = time.perf_counter()
-                proc = subprocess.run(cmd, cwd=ROOT, env=environment(progress_bars), capture_output=True, text=True)
+                proc = subprocess.run(cmd, cwd=ROOT, env=environment(), capture_output=True, text=True)
                 if proc.returncode:
                     sys.exit(f"{row.name}: {name} failed:\n{proc.stderr[-3000:]}")
                 times[name].append(round(time.perf_counter() - start, 2))
@@ -187,7 +184,7 @@ def run(row, repeats=3, steps=None, seeds=None, progress_bars=False):
     steps = int(settings(row, steps)["--max_train_steps"])
     source = os.path.join(PEERS, row.source)
     result = {"settings": settings(row, steps), "ours_flags": row.ours, "peer_flags": row.peer_flags, "steps": steps,
-              "seeds": seeds, "progress_bars": progress_bars, "seconds": times, "median_s": median,
+              "seeds": seeds, "seconds": times, "median_s": median,
               "speedup": round(median["peer"] / median["ours"], 3), "target_speedup": TARGET,
               "held_out_loss": losses, "held_out_loss_per_seed": {
                   seed: {name: found[f"{name} seed {seed}"] for name in ("ours", "peer")} for seed in seeds},
@@ -246,11 +243,9 @@ def main(row, doc, argv=None):
     go.add_argument("--seeds", type=int, nargs="+", default=None,
                     help=f"Train with each of these seeds (default: {row.same['--seed']}); the held-out loss is their "
                          "mean.")
-    go.add_argument("--progress_bars", action="store_true",
-                    help="Leave both scripts' progress bars on, as a user's run has them (default: off).")
     args = parser.parse_args(argv)
     sys.path.insert(0, ROOT)
     if args.step == "fetch":
         fetch(row, args.diffusers_repo)
     else:
-        run(row, args.repeats, args.steps, args.seeds, args.progress_bars)
+        run(row, args.repeats, args.steps, args.seeds)
