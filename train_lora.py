@@ -315,7 +315,8 @@ def main(args):
         lazy = lazy_latent_cache(args, accelerator.device)  # (each image when a batch first needs it)
         logger.info(f"caching the latents of {len(train_data)} images{' and their mirror images' * args.random_flip}"
                     f"{' as the batches first need them' * lazy}")
-        train_data = CachedLatents(train_data, encode, args.vae_encode_batch_size, lazy)
+        train_data = CachedLatents(train_data, encode, args.vae_encode_batch_size, lazy,
+                                   refs.cached_condition(encode, latent_config, accelerator.device))  # (Wan I2V)
     offload_idle_models(logger, args, vae, list(text_encoders.values()), text_cached=condition.cache is not None)
     train_dataloader = torch.utils.data.DataLoader(train_data, num_workers=args.dataloader_num_workers,
                                                    collate_fn=collate_batch, **loader_batches)

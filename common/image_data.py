@@ -598,7 +598,9 @@ class CachedLatents:
     epoch and index), so a cached run sees the same data as an uncached one. encode(pixels) -> parameters; images
     are encoded `batch_size` at a time, a bucket at a time. With masks, "mask" too: each view's mask averaged down to
     its latent grid (common/loss_masks.py: latent_mask), cached with its latent. With references (edit LoRAs),
-    "reference_latents" too: each view's reference images' latent means [k, C, h, w] (common/references.py).
+    "reference_latents" too: each view's reference images' latent means [k, C, h, w] (common/references.py). With
+    `condition` (an image-to-video base: condition(pixels) -> {name: tensor}, each clip's own, e.g. Wan I2V's first
+    frame latents and CLIP embeddings), "condition" too: that dict of each item's view, cached with its latent.
 
     lazy: a chunk's view (its `batch_size` images as they are, or mirrored) is encoded when a batch first asks for one
     of its images, in the process that reads the batches (so not with dataloader workers), so that a short run
@@ -607,7 +609,7 @@ class CachedLatents:
     is cached the decoded images are dropped.
     """
 
-    def __init__(self, images, encode, batch_size, lazy=False):
+    def __init__(self, images, encode, batch_size, lazy=False, condition=None):
         groups = {}
         frames = images.frame_counts() or [1] * len(images)  # (clips of one length a group)
         for i in range(len(images)):
@@ -626,6 +628,7 @@ class CachedLatents:
         self.params = [None] * len(images)
         self.masks = None if images.masks is None else [None] * len(images)
         self.references = None if images.references is None else [None] * len(images)
+        self.condition, self.conditions = condition, {}  # name -> as params
         if not lazy:
             self.fill((i, v) for i in range(len(images)) for v in range(self.num_views))
 
@@ -656,14 +659,20 @@ class CachedLatents:
             self._store("masks", chunk, view, latent_mask(oriented("mask"), latents).cpu())
         if self.references is not None:  # the view's references' latent means
             self._store("references", chunk, view, reference_means(self.encode, oriented("reference_values")).cpu())
+        if self.condition is not None:  # (image-to-video: each clip's own condition)
+            for name, values in self.condition(oriented("pixel_values")).items():
+                self._store(name, chunk, view, values.cpu(), self.conditions)
 
-    def _store(self, name, chunk, view, values):
+    def _store(self, name, chunk, view, values, holder=None):
         import torch
 
-        cached = getattr(self, name)
+        holder = self.__dict__ if holder is None else holder
+        cached = holder.get(name)
+        if cached is None:  # (a condition's first chunk)
+            cached = [None] * len(self.images)
         if self.uniform and not isinstance(cached, torch.Tensor):  # one tensor for all, made on the first chunk
             cached = torch.empty((len(self.images), self.num_views, *values.shape[1:]), dtype=values.dtype)
-            setattr(self, name, cached)
+        holder[name] = cached
         for n, i in enumerate(chunk):
             if self.uniform:
                 cached[i, view] = values[n]
@@ -701,6 +710,8 @@ class CachedLatents:
             item["mask"] = self.masks[index][view]
         if self.references is not None:
             item["reference_latents"] = self.references[index][view]
+        if self.conditions:
+            item["condition"] = {name: cached[index][view] for name, cached in self.conditions.items()}
         return item
 
     def __getitems__(self, indices):
@@ -711,12 +722,18 @@ class CachedLatents:
         if self.todo:
             self.fill(zip(indices, views.tolist()))
         batch = {"index": index}
+
+        def gather(cached):
+            if isinstance(cached, torch.Tensor):
+                return cached[index, views]
+            return torch.stack([cached[i][v] for i, v in zip(indices, views.tolist())])
+
         for name, cached in (("latent_params", self.params), ("mask", self.masks),
                              ("reference_latents", self.references)):
-            if isinstance(cached, torch.Tensor):
-                batch[name] = cached[index, views]
-            elif cached is not None:
-                batch[name] = torch.stack([cached[i][v] for i, v in zip(indices, views.tolist())])
+            if cached is not None:
+                batch[name] = gather(cached)
+        if self.conditions:
+            batch["condition"] = {name: gather(cached) for name, cached in self.conditions.items()}
         return batch
 
 

@@ -308,8 +308,11 @@ class References:
         return [(tuple(sizes[i]) if sizes else (), bool(p)) for i, p in enumerate(self.present.tolist())]
 
     def __call__(self, batch, encode, latent_config):
-        """A training batch's reference latents (cached with --cache_latents, else encoded now)."""
+        """A training batch's reference latents (cached with --cache_latents, else encoded now); an image-to-video
+        base's condition of each clip (the same)."""
         if self.condition is not None:
+            if "condition" in batch:
+                return batch["condition"]
             return self.condition(encode, batch["pixel_values"], latent_config)
         if not self.count or not (self.all_present or self.present[batch["index"].cpu()].all()):
             return {}
@@ -320,6 +323,13 @@ class References:
         else:
             means = reference_means(encode, batch["reference_values"])
         return {"reference_latents": normalized(means, latent_config)}
+
+    def cached_condition(self, encode, latent_config, device):
+        """For CachedLatents: an image-to-video base's condition(pixels) of a chunk of clips, computed on `device`
+        (its encoders' place), or None."""
+        if self.condition is None:
+            return None
+        return lambda pixels: self.condition(encode, pixels.to(device), latent_config)
 
     def held_out(self, ids, data, encode, latent_config):
         """The held-out images `ids`' reference latents (ImageDataset `data`; each encoded once)."""

@@ -55,10 +55,6 @@ def check_video_args(args, family, vae_config):
                 if getattr(args, flag, None):
                     raise UserError(f"--{flag} runs on one transformer: with --wan_expert both, train each expert "
                                     "alone (--wan_expert high, then low)")
-        if getattr(args, "cache_latents", False) and getattr(family, "IMAGE_CONDITION", False):
-            raise UserError("--cache_latents: this image-to-video base's condition (each clip's first frame, then "
-                            "black frames, through the VAE) is encoded from the batch's pixels, which the cache does "
-                            "not keep; leave --cache_latents out")
     elif getattr(args, "wan_expert", None):
         raise UserError(f"--wan_expert {args.wan_expert}: a {family.NAME} base has no experts (Wan 2.2 A14B has "
                         "two); leave --wan_expert out")

@@ -518,7 +518,9 @@ def test_idle_frozen_models_are_what_the_caches_leave_unused():
 def test_a_lazy_latent_cache_encodes_only_what_batches_ask_for_and_equals_the_eager_one(tmp_path):
     """CachedLatents(lazy=True): a chunk's view is encoded (in the same call as the eager cache encodes it, so bit for
     bit the same, whatever the batches' order) when a batch first asks for one of its images; once all are, the
-    decoded images go. On the CPU, and where the VAE stays on the device anyway, --cache_latents is lazy."""
+    decoded images go. On the CPU, and where the VAE stays on the device anyway, --cache_latents is lazy. An
+    image-to-video base's condition of each clip (Wan I2V: `condition`) is cached with its latents, each view's the
+    condition of that view's own pixels."""
     import datasets
 
     from common.base_models import lazy_latent_cache
@@ -538,23 +540,33 @@ def test_a_lazy_latent_cache_encodes_only_what_batches_ask_for_and_equals_the_ea
         calls.append(len(x))
         return torch.cat([x[:, :, ::4, ::4], x[:, :, ::4, ::4]], dim=1) + x.mean()
 
+    def condition(x):  # per image, as a clip's first-frame condition is
+        return {"image_condition": x[:, :1, ::2, ::2] * 3, "image_embeds": x.flatten(1)[:, :5]}
+
     for buckets, flip in itertools.product((None, sizes), (False, True)):
         def data():
             return ImageDataset(ds, "image", 16, center_crop=True, random_flip=flip, seed=3, sizes=buckets,
                                 masks="ones", references=[[{"path": p, "bytes": None}] for p in paths])
 
-        eager, lazy = CachedLatents(data(), encode, 2), CachedLatents(data(), encode, 2, lazy=True)
+        eager, lazy = CachedLatents(data(), encode, 2, condition=condition), \
+            CachedLatents(data(), encode, 2, lazy=True, condition=condition)
+        plain = data()
         views = 2 if flip else 1
         calls.clear()
         for epoch, indices in enumerate(([4], [5, 1], [2, 4, 1], [0, 3], [3, 0], [5, 4, 2, 1])):  # (one size each)
-            for cache in (eager, lazy):
+            for cache in (eager, lazy, plain):
                 cache.set_epoch(epoch)
             got, expected = lazy.__getitems__(indices), eager.__getitems__(indices)
             if epoch == 0:
                 assert len(calls) == 2 and lazy.images.cache is not None  # one view of one chunk: image and reference
-            assert got.keys() == expected.keys() == {"index", "latent_params", "mask", "reference_latents"}
+            assert got.keys() == expected.keys() == {"index", "latent_params", "mask", "reference_latents", "condition"}
             for key in got:
-                assert torch.equal(got[key], expected[key]), key
+                if key != "condition":
+                    assert torch.equal(got[key], expected[key]), key
+            pixels = plain.__getitems__(indices)["pixel_values"]  # this epoch's views, uncached
+            for name, value in condition(pixels).items():
+                assert torch.equal(got["condition"][name], value) and torch.equal(expected["condition"][name], value)
+                assert all(torch.equal(lazy[i]["condition"][name], value[n]) for n, i in enumerate(indices))
             assert all(torch.equal(lazy[i][key], eager[i][key]) for i in indices for key in ("latent_params", "mask"))
         assert len(calls) == 2 * (len(eager.chunks) * views - len(lazy.todo))
         assert (lazy.images.cache is None) == (not lazy.todo)

@@ -550,8 +550,8 @@ def i2v_run(request, i2v_bases, clips, tmp_path_factory):
     return variant, base, clips, out
 
 
-def i2v_steps(variant):
-    return [flag for flag in STEPS if flag != "--cache_latents" or variant == "ti2v-i2v"]  # (else: from the pixels)
+def i2v_steps(variant):  # (Wan 2.1 I2V's condition and CLIP embeddings cached; A14B's encoded from the pixels)
+    return [flag for flag in STEPS if flag != "--cache_latents" or variant != "i2v-a14b"]
 
 
 def i2v_config(variant):
@@ -659,8 +659,9 @@ def test_an_image_to_video_lora_loads_back_and_sample_py_draws_wanimagetovideopi
 
 
 def test_an_image_to_video_run_resumes_exactly(i2v_run, tmp_path):
-    """Each image-to-video run (its condition encoded from the batch's pixels, the held-out clips' once; TI2V-5B's from
-    the latent cache, in two processes) resumed from checkpoint-2 ends where the straight run ends."""
+    """Each image-to-video run resumed from checkpoint-2 ends where the straight run ends: I2V A14B's condition encoded
+    from the batch's pixels (the held-out clips' once), Wan 2.1 I2V's condition and CLIP embeddings in the latent
+    cache, TI2V-5B's first frame from the latent cache, in two processes."""
     variant, base, clips, out = i2v_run
     resumed = tmp_path / "run"
     shutil.copytree(out / "checkpoint-2", resumed / "checkpoint-2")
@@ -673,7 +674,6 @@ def test_an_image_to_video_run_resumes_exactly(i2v_run, tmp_path):
 
 @pytest.mark.parametrize("variant, script, flags, needles", [
     ("ti2v-i2v", "train_text_to_image.py", [], ["is Wan 2.2 TI2V-5B's image-to-video", "which train_lora.py trains"]),
-    ("i2v-a14b", "train_lora.py", ["--cache_latents"], ["--cache_latents", "encoded from the batch's pixels"]),
     ("i2v-a14b", "sample.py", [], ["is an image-to-video base (WanImageToVideoPipeline): it draws from a first frame",
                                    "give --image FIRST_FRAME.png"]),
     ("t2v", "sample.py", ["--image"], ["--image:", "is a Wan text-to-video base", "leave --image out"]),

@@ -225,7 +225,8 @@ def condition_view(view, path):
     WanImageToVideoPipeline draws without expand_timesteps: beside the noisy latents, a mask (1 on the first latent
     frame) and the latents of the clip's first frame followed by black frames (image_condition), concatenated as
     channels (the transformer's in_channels: twice the VAE's z_dim and 4); the loss on every frame, as musubi-tuner
-    trains it. The condition is encoded from each batch's pixels (References; not --cache_latents). A base with an
+    trains it. The condition is encoded from each batch's pixels (References), or cached with the latents
+    (--cache_latents: CachedLatents' condition). A base with an
     image encoder (Wan 2.1 I2V) gets the first frame's CLIP image embeddings too (image_embeds), from its image
     encoder, loaded here (for validation's pipeline too: PIPELINE_EXTRAS)."""
     import types
