@@ -66,6 +66,9 @@ def parse_args(argv=None):
                    help=f"Default: sample.py's (the base's model card's, else 7.5 for Stable Diffusion and SDXL, 7.0 "
                         f"for SD3, 3.5 for Flux.1-dev), {DEFAULT_GUIDANCE_SCALE} for a class-conditional DDPM.")
     g.add_argument("--num_images", type=positive_int, default=1, help="Batch size B (num_images_per_prompt).")
+    g.add_argument("--image", metavar="FIRST_FRAME.png", default=None,
+                   help="An image-to-video pipeline's first frame (Wan's WanImageToVideoPipeline), which its call "
+                        "needs.")
     g.add_argument("--class_label", default=None, help="Class-conditional DDPM: class name or id (default: id 0).")
     g.add_argument("--seed", type=non_negative_int, default=0)
     g.add_argument("--save_trajectory", metavar="FILE.png", default=None,
@@ -98,6 +101,8 @@ def check_args(args):
         check_lora_format(args.lora, keys, "--lora")
         check_lora_base("--lora", args.lora, lora_file_metadata(weights), keys, args.model,
                         folder_family(args.model))
+    if args.image and not args.trace:
+        raise UserError("--image: the first frame of a --trace call; add --trace")
     if args.save_trajectory:
         args.trace = True
         if not args.save_trajectory.lower().endswith(".png"):

@@ -170,11 +170,29 @@ def x0_from_prediction(scheduler, model_output, t, sample):
     return model_output  # "sample": the model predicts x0 itself
 
 
+def first_frame(path):
+    """--image: an image-to-video pipeline's first frame (RGB); one line when it does not read."""
+    from PIL import Image
+
+    try:
+        with Image.open(path) as image:
+            return image.convert("RGB")
+    except (OSError, SyntaxError, ValueError) as err:
+        raise UserError(f"--image '{path}': cannot read it as an image ({first_line(err)}); give an image file") \
+            from None
+
+
 def trace_sd(pipe, args, rec, generator, steps_kept):
     """One real StableDiffusionPipeline-style call; -> (how it was recorded, images)."""
-    if type(pipe).__name__ == getattr(pipeline_family(pipe), "I2V_PIPELINE", None):  # (Wan image-to-video)
-        raise UserError(f"--trace: {type(pipe).__name__} draws from a first frame, which inspect_pipeline.py does not "
-                        "take; leave --trace out (the report), or draw it with sample.py --image")
+    i2v = type(pipe).__name__ == getattr(pipeline_family(pipe), "I2V_PIPELINE", None)  # (Wan image-to-video)
+    if i2v and not getattr(args, "image", None):
+        raise UserError(f"--trace: {type(pipe).__name__} draws from a first frame; give --image FIRST_FRAME.png")
+    if getattr(args, "image", None) and not i2v:
+        raise UserError(f"--image: {type(pipe).__name__} takes no first frame (an image-to-video pipeline, Wan's "
+                        "WanImageToVideoPipeline, does); leave --image out")
+    first = first_frame(args.image) if i2v else None
+    if i2v:  # (diffusers 0.42's WanImageToVideoPipeline cleans prompts with ftfy, unguarded)
+        pipeline_family(pipe).i2v_without_ftfy()
     calls = {}
     for name, component in pipe.components.items():
         if name.startswith("text_encoder") and component is not None:
@@ -198,13 +216,19 @@ def trace_sd(pipe, args, rec, generator, steps_kept):
     if hasattr(pipe, "_get_add_time_ids"):  # SDXL: original size, crop top-left, target size; once per call
         rec.wrap(pipe, "_get_add_time_ids", lambda a, kw, out, ms, start: rec.add(
             "_get_add_time_ids", ms, time_ids=shape(out), values=[scalar(v) for v in out[0]]))
-    def on_prepare_latents(a, kw, out, ms, start):  # Flux: (packed latents, their position ids)
-        latents, ids = out if isinstance(out, tuple) else (out, None)
-        rec.add("prepare_latents", ms, latents=shape(latents), **({"latent_image_ids": shape(ids)} if ids is not None
-                                                                  else {}),
+    def on_prepare_latents(a, kw, out, ms, start):  # Flux: (packed latents, their position ids); Wan I2V: + condition
+        parts = out if isinstance(out, tuple) else (out,)
+        names = ("latents", "latent_image_ids")
+        if i2v:  # (Wan 2.2 TI2V-5B: the first frame's latents and where they replace the noise; else the mask, 4
+            # channels, and the first frame's latents followed by black frames', beside the noise as channels)
+            names = ("latents", "latent_condition", "first_frame_mask") if len(parts) == 3 else ("latents", "condition")
+        rec.add("prepare_latents", ms, **{name: shape(part) for name, part in zip(names, parts)},
                 init_noise_sigma=float(getattr(pipe.scheduler, "init_noise_sigma", 1.0)))
 
     rec.wrap(pipe, "prepare_latents", on_prepare_latents)
+    if i2v and getattr(pipe, "image_encoder", None) is not None:  # Wan 2.1 I2V: the first frame's CLIP embeddings
+        rec.wrap(pipe, "encode_image", lambda a, kw, out, ms, start: rec.add(
+            "encode_image", ms, image_embeds=shape(out), note="the image encoder's penultimate hidden states"))
     name = "unet" if hasattr(pipe, "unet") else "transformer"
     experts = None  # Wan 2.2 A14B: the expert of each step (transformer at t >= the boundary, transformer_2 below)
     if getattr(pipe, "transformer_2", None) is not None:
@@ -217,7 +241,8 @@ def trace_sd(pipe, args, rec, generator, steps_kept):
     rec.wrap(pipe.vae, "decode", lambda a, kw, out, ms, start: rec.add(
         "vae.decode", ms, latents=shape(a[0] if a else kw["z"]), image=shape(out[0]),
         note=f"in: {scale}; out: pixels in [-1, 1]"))
-    processor = "image_processor" if hasattr(pipe, "image_processor") else "video_processor"  # (Wan: per clip)
+    # (Wan: per clip; Wan 2.1 I2V's image_processor is its CLIP encoder's)
+    processor = "video_processor" if hasattr(pipe, "video_processor") else "image_processor"
     rec.wrap(getattr(pipe, processor), "postprocess", lambda a, kw, out, ms, start: rec.add(
         f"{processor}.postprocess", ms, image=shape(a[0] if a else kw["image"]),
         output=f"{len(out)} x {type(out[0]).__name__} {getattr(out[0], 'size', '')}"))
@@ -236,7 +261,7 @@ def trace_sd(pipe, args, rec, generator, steps_kept):
         images = pipe(prompt=args.prompt, num_inference_steps=args.num_inference_steps, height=height, width=width,
                       **pipeline_guidance(pipe, args.guidance_scale, args.num_images, lora_info(args)), **count,
                       generator=generator, callback_on_step_end=on_step_end,
-                      callback_on_step_end_tensor_inputs=inputs)[0]
+                      callback_on_step_end_tensor_inputs=inputs, **({"image": first} if first is not None else {}))[0]
     except ValueError as err:
         raise UserError(f"{type(pipe).__name__} refused the call: {first_line(err)}") from None
     images = [clip[0] for clip in images] if frames else images  # (each clip's first frame)

@@ -229,3 +229,12 @@ def test_height_must_fit_the_vae(ip, models):  # in-process: the one-line path i
         ip.main(ip.parse_args([str(models["sd"]), "--trace", "--height", "30"]))
     with pytest.raises(ip.UserError, match="have to be divisible by 8"):  # the pipeline's own check, passed on
         ip.main(ip.parse_args([str(models["sd"]), "--trace", "--height", "36"]))
+
+
+def test_a_first_frame_is_for_an_image_to_video_trace_only(ip, models, tmp_path):  # (Wan's: tests/test_video.py)
+    first = tmp_path / "first.png"
+    Image.new("RGB", (32, 32)).save(first)
+    with pytest.raises(ip.UserError, match="--image: the first frame of a --trace call; add --trace"):
+        ip.parse_args([str(models["sd"]), "--image", str(first)])
+    with pytest.raises(ip.UserError, match="--image: StableDiffusionPipeline takes no first frame"):
+        ip.main(ip.parse_args([str(models["sd"]), "--trace", "--image", str(first), "--num_inference_steps", "1"]))

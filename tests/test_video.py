@@ -672,13 +672,35 @@ def test_an_image_to_video_run_resumes_exactly(i2v_run, tmp_path):
     assert straight.keys() == again.keys() and all(torch.equal(straight[k], again[k]) for k in straight)
 
 
+@pytest.mark.parametrize("variant", ["i2v", "ti2v-i2v"])
+def test_inspect_pipeline_traces_an_image_to_video_call_from_its_first_frame(i2v_bases, variant, tmp_path):
+    """inspect_pipeline.py --trace --image: the call draws from the first frame, and the trace shows its condition
+    (Wan 2.1 I2V: the mask and the frame's latents, 20 channels beside the noise, and CLIP's image embeddings;
+    TI2V-5B: the frame's latents, one latent frame, and the mask of the latents they replace)."""
+    import inspect_pipeline
+
+    first = tmp_path / "first.png"
+    Image.new("RGB", (32, 32), (200, 30, 30)).save(first)
+    report = inspect_pipeline.main(inspect_pipeline.parse_args([
+        str(i2v_bases[variant]), "--trace", "--image", str(first), "--json", "--num_inference_steps", "1",
+        "--num_frames", "5", "--height", "32", "--width", "32"]))
+    stages = {stage["stage"]: stage for stage in report["trace"]["stages"]}
+    prepare = stages["prepare_latents"]
+    if variant == "i2v":
+        assert prepare["latents"] == [1, 16, 2, 4, 4] and prepare["condition"] == [1, 20, 2, 4, 4]
+        assert stages["encode_image"]["image_embeds"][0] == 1
+    else:
+        assert prepare["latents"] == [1, 48, 2, 2, 2] and prepare["latent_condition"] == [1, 48, 1, 2, 2]
+        assert prepare["first_frame_mask"] == [1, 1, 2, 2, 2] and "encode_image" not in stages
+
+
 @pytest.mark.parametrize("variant, script, flags, needles", [
     ("ti2v-i2v", "train_text_to_image.py", [], ["is Wan 2.2 TI2V-5B's image-to-video", "which train_lora.py trains"]),
     ("i2v-a14b", "sample.py", [], ["is an image-to-video base (WanImageToVideoPipeline): it draws from a first frame",
                                    "give --image FIRST_FRAME.png"]),
     ("t2v", "sample.py", ["--image"], ["--image:", "is a Wan text-to-video base", "leave --image out"]),
     ("ti2v-i2v", "inspect_pipeline.py", ["--trace"], ["--trace: WanImageToVideoPipeline draws from a first frame",
-                                                      "sample.py --image"])])
+                                                      "give --image FIRST_FRAME.png"])])
 def test_an_image_to_video_base_without_a_first_frame_is_one_line(i2v_bases, tiny_wan, clips, variant, script, flags,
                                                                    needles, tmp_path):
     base = i2v_bases.get(variant, tiny_wan)
