@@ -554,8 +554,8 @@ def i2v_steps(variant):  # (Wan 2.1 I2V's condition and CLIP embeddings cached; 
     return [flag for flag in STEPS if flag != "--cache_latents" or variant != "i2v-a14b"]
 
 
-def i2v_config(variant):
-    return "cpu_2proc.yaml" if variant == "ti2v-i2v" else "cpu.yaml"  # (TI2V-5B's in two processes)
+def i2v_config(variant):  # (TI2V-5B's and Wan 2.1 I2V's in two processes, I2V A14B's in one)
+    return "cpu.yaml" if variant == "i2v-a14b" else "cpu_2proc.yaml"
 
 
 @pytest.mark.parametrize("variant", ["i2v-a14b", "i2v"])
@@ -615,6 +615,7 @@ def test_an_image_to_video_lora_loads_back_and_sample_py_draws_wanimagetovideopi
     name, low = ("transformer_2", {"load_into_transformer_2": True}) if a14b else ("transformer", {})
     results = read_results(out)
     assert results["global_step"] == 4 and set(results["validation_losses"]) == {"0", "4"}
+    assert results["num_processes"] == (1 if a14b else 2)
     assert json.loads((out / "lora_info.json").read_text())["num_frames"] == 5
 
     def output(pipe):  # the expert on a fixed clip of 2 latent frames, given its first frame as the family gives it
@@ -660,8 +661,8 @@ def test_an_image_to_video_lora_loads_back_and_sample_py_draws_wanimagetovideopi
 
 def test_an_image_to_video_run_resumes_exactly(i2v_run, tmp_path):
     """Each image-to-video run resumed from checkpoint-2 ends where the straight run ends: I2V A14B's condition encoded
-    from the batch's pixels (the held-out clips' once), Wan 2.1 I2V's condition and CLIP embeddings in the latent
-    cache, TI2V-5B's first frame from the latent cache, in two processes."""
+    from the batch's pixels (the held-out clips' once), in one process; Wan 2.1 I2V's condition and CLIP embeddings
+    in the latent cache, and TI2V-5B's first frame from it, in two processes."""
     variant, base, clips, out = i2v_run
     resumed = tmp_path / "run"
     shutil.copytree(out / "checkpoint-2", resumed / "checkpoint-2")
