@@ -317,7 +317,8 @@ def main(args):
                     f"{' as the batches first need them' * lazy}")
         train_data = CachedLatents(train_data, encode, args.vae_encode_batch_size, lazy,
                                    refs.cached_condition(encode, latent_config, accelerator.device))  # (Wan I2V)
-    offload_idle_models(logger, args, vae, list(text_encoders.values()), text_cached=condition.cache is not None)
+    offload_idle_models(logger, args, vae, list(text_encoders.values()), text_cached=condition.cache is not None,
+                        family=family)  # (Wan 2.1 I2V: its image encoder with the VAE)
     train_dataloader = torch.utils.data.DataLoader(train_data, num_workers=args.dataloader_num_workers,
                                                    collate_fn=collate_batch, **loader_batches)
     check_same_data(accelerator, training_images=len(train_data), batches=len(train_dataloader),  # (machines' copies)

@@ -216,10 +216,14 @@ def lazy_latent_cache(args, device):
     return args.dataloader_num_workers == 0 and (device.type == "cpu" or not vae_leaves)
 
 
-def offload_idle_models(logger, args, vae, text_encoders, text_cached):
+def offload_idle_models(logger, args, vae, text_encoders, text_cached, family=None):
     """Move the frozen models that `idle_frozen_models` finds idle to the CPU (the device memory they held goes to
-    training), with a log line; call it after the caches and the held-out loss are made. Returns the names moved."""
-    models = {"vae": [vae], "text_encoders": [e for e in text_encoders if e is not None]}
+    training), with a log line; call it after the caches and the held-out loss are made. Returns the names moved.
+    An image-to-video family's image encoder (Wan 2.1 I2V's CLIP, in PIPELINE_EXTRAS) goes with the VAE: the cache
+    holds its embeddings too."""
+    image_encoder = getattr(family, "PIPELINE_EXTRAS", {}).get("image_encoder")
+    models = {"vae": [vae, *([image_encoder] if image_encoder is not None else [])],
+              "text_encoders": [e for e in text_encoders if e is not None]}
     idle = idle_frozen_models(args.cache_latents, text_cached, args.validation_prompt)
     for name in idle:
         for model in models[name]:

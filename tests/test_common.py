@@ -515,6 +515,32 @@ def test_idle_frozen_models_are_what_the_caches_leave_unused():
     assert idle_frozen_models(cache_latents=True, text_cached=True, validation_prompts=["a cat"]) == ["text_encoders"]
 
 
+def test_an_image_to_video_bases_image_encoder_leaves_the_device_with_the_vae():
+    """Wan 2.1 I2V's CLIP image encoder (its family's PIPELINE_EXTRAS) is idle once the latent cache holds its
+    embeddings: offload_idle_models moves it with the VAE, and keeps both where validation clips are drawn."""
+    import argparse
+    import logging
+    import types
+
+    from common.base_models import offload_idle_models
+
+    moved = []
+
+    class Model(torch.nn.Linear):  # records where it is sent
+        def to(self, device, *args, **kwargs):
+            moved.append((self.name, device))
+            return self
+
+    vae, encoder, text = Model(1, 1), Model(1, 1), Model(1, 1)
+    vae.name, encoder.name, text.name = "vae", "image_encoder", "text_encoder"
+    family = types.SimpleNamespace(PIPELINE_EXTRAS={"image_encoder": encoder})
+    for prompts, expected in ((None, ["vae", "image_encoder", "text_encoder"]), (["a cat"], ["text_encoder"])):
+        moved.clear()
+        args = argparse.Namespace(cache_latents=True, validation_prompt=prompts)
+        offload_idle_models(logging.getLogger("test"), args, vae, [text], text_cached=True, family=family)
+        assert moved == [(name, "cpu") for name in expected], prompts
+
+
 def test_a_lazy_latent_cache_encodes_only_what_batches_ask_for_and_equals_the_eager_one(tmp_path):
     """CachedLatents(lazy=True): a chunk's view is encoded (in the same call as the eager cache encodes it, so bit for
     bit the same, whatever the batches' order) when a batch first asks for one of its images; once all are, the
