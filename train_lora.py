@@ -303,6 +303,8 @@ def main(args):
     held_out_loss = None if held_out is None else HeldOutLoss(  # keyed by image: SDXL's time ids are the image's
         held_out, encode, latent_config, list(range(len(held_out))), objective, accelerator, args.seed,
         args.train_batch_size)
+    if held_out is not None and len(held_out):  # their references' latents (Wan I2V: condition), on the VAE's device
+        refs.held_out(torch.arange(len(held_out)), held_out, encode, latent_config)
     loader_batches = batching(refs.batch_keys(sizes), args.train_batch_size, args.seed, train_data)  # by bucket
     prior = None  # DreamBooth: each batch instance images, then as many class images; the loss in two parts
     if args.with_prior_preservation:
