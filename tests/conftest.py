@@ -164,9 +164,14 @@ def kill_tree(pid):
             pass
 
 
-def run_script(script, *args, cwd=ROOT, env=None, timeout=600):
-    """`python <script> <args>` without accelerate launch (for --help and bad-input cases)."""
+def run_script(script, *args, cwd=ROOT, env=None, timeout=600, fresh=False):
+    """`python <script> <args>` without accelerate launch (for --help and bad-input cases). With the default `env`,
+    forked from the launch server as `launch` runs one process (its libraries imported already: the CPU environment
+    `accelerate launch` gives a script, which a bad-input case does not reach); `fresh` (or TEST_FRESH_INTERPRETERS=1)
+    starts a new interpreter."""
     cmd = [sys.executable, str(Path(cwd) / script), *map(str, args)]
+    if env is None and not fresh and os.environ.get("TEST_FRESH_INTERPRETERS") != "1":
+        return LaunchServer.run(cmd, cwd, timeout)
     return subprocess.run(cmd, cwd=cwd, env=env or offline_env(), capture_output=True, text=True, timeout=timeout)
 
 
