@@ -230,8 +230,8 @@ def fetch(row, diffusers_repo):
 
 
 def main(row, doc, argv=None):
-    """The command line of a row's script: `run [--repeats N] [--steps N] [--seeds S ...]`, and `fetch --diffusers_repo PATH` where
-    the row fetches."""
+    """The command line of a row's script: `run [--repeats N] [--steps N] [--seeds S ...]`, and `fetch
+    --diffusers_repo PATH` where the row fetches."""
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     steps = parser.add_subparsers(dest="step", required=True)
     if row.fetch:
