@@ -659,6 +659,22 @@ def test_an_image_to_video_lora_loads_back_and_sample_py_draws_wanimagetovideopi
     assert Image.open(tmp_path / "sample.gif").n_frames == 5
 
 
+def test_an_i2v_a14b_expert_trains_in_two_processes_without_loading_the_other_expert(i2v_bases, clips, tmp_path):
+    """Wan 2.2 I2V A14B's low expert, its condition from the batch's pixels, in two processes, without validation clips
+    (the high expert left unloaded: unused_parts); the LoRA loads into WanImageToVideoPipeline's transformer_2."""
+    from diffusers import WanImageToVideoPipeline
+
+    out = tmp_path / "run"
+    launch("train_lora.py", "--train_data_dir", clips, "--pretrained_model_name_or_path", i2v_bases["i2v-a14b"],
+           "--output_dir", out, *i2v_steps("i2v-a14b"), "--max_train_steps", "2", "--wan_expert", "low",
+           config="cpu_2proc.yaml")
+    results = read_results(out)
+    assert results["global_step"] == 2 and results["num_processes"] == 2
+    pipe = WanImageToVideoPipeline.from_pretrained(i2v_bases["i2v-a14b"])
+    pipe.load_lora_weights(out, load_into_transformer_2=True)
+    assert pipe.get_list_adapters() == {"transformer_2": ["default_0"]}
+
+
 def test_an_image_to_video_run_resumes_exactly(i2v_run, tmp_path):
     """Each image-to-video run resumed from checkpoint-2 ends where the straight run ends: I2V A14B's condition encoded
     from the batch's pixels (the held-out clips' once), in one process; Wan 2.1 I2V's condition and CLIP embeddings
