@@ -21,13 +21,11 @@ DRIVER = str(ROOT / "tests" / "benchmarks" / "gpu_evidence.py")
 sys.path.insert(0, str(ROOT / "tests" / "benchmarks"))
 
 
-def config(tmp_path, digits, tiny_sd, device="cpu"):
-    """Five pieces: one stopped at its 3 s limit, one that trains and resumes (on a model the fast builder makes, with a
-    run whose flag train_lora.py lacks), one whose diffusers script is missing, one for a family train_lora.py lacks,
-    one that trains."""
-    text = f"""
-[gpu_evidence]
-data = {json.dumps(str(digits))}
+def driver_config(tmp_path, data, device, extra):
+    """The [gpu_evidence] table and its env of a test's workloads.toml: its folders under tmp_path (no peers, no pack),
+    one CPU process a run; `extra`: the test's own lines of the table."""
+    return f"""[gpu_evidence]
+data = {json.dumps(str(data))}
 results = {json.dumps(str(tmp_path / "results"))}
 work = {json.dumps(str(tmp_path / "work"))}
 models_dir = {json.dumps(str(tmp_path / "ram"))}
@@ -35,16 +33,24 @@ peers = {json.dumps(str(tmp_path / "no-peers"))}
 pack = {json.dumps(str(tmp_path / "no-pack"))}
 device = "{device}"
 max_piece_s = 480
-order = ["slow", "ok", "peer", "later", "fresh"]
 launch = ["launch", "--config_file", "accelerate_configs/cpu.yaml", "--num_cpu_threads_per_process", "1"]
-common = ["--mixed_precision", "no", "--rank", "4", "--seed", "42", "--max_train_samples", "8", "--center_crop"]
 packages = ["diffusers"]
-lora_targets = ["to_k", "to_q", "to_v", "to_out.0"]
+{extra}
 
 [gpu_evidence.env]
 HF_HUB_OFFLINE = "1"
 ACCELERATE_USE_CPU = "1"
 OMP_NUM_THREADS = "1"
+"""
+
+
+def config(tmp_path, digits, tiny_sd, device="cpu"):
+    """Five pieces: one stopped at its 3 s limit, one that trains and resumes (on a model the fast builder makes, with a
+    run whose flag train_lora.py lacks), one whose diffusers script is missing, one for a family train_lora.py lacks,
+    one that trains."""
+    text = driver_config(tmp_path, digits, device, """order = ["slow", "ok", "peer", "later", "fresh"]
+common = ["--mixed_precision", "no", "--rank", "4", "--seed", "42", "--max_train_samples", "8", "--center_crop"]
+lora_targets = ["to_k", "to_q", "to_v", "to_out.0"]""") + f"""
 
 [gpu_evidence.models.tiny]
 path = {json.dumps(str(tiny_sd))}
@@ -400,23 +406,7 @@ def test_a_wan_piece_writes_its_clips_and_trains_one_expert_in_fp8_with_block_sw
     (tmp_path / "images" / "train").mkdir(parents=True)  # (the image pieces' data: none here)
     (tmp_path / "images" / "train" / "metadata.jsonl").write_text("")
     cfg = tmp_path / "workloads.toml"
-    cfg.write_text(f"""[gpu_evidence]
-data = {json.dumps(str(tmp_path / "images"))}
-results = {json.dumps(str(tmp_path / "results"))}
-work = {json.dumps(str(tmp_path / "work"))}
-models_dir = {json.dumps(str(tmp_path / "ram"))}
-peers = {json.dumps(str(tmp_path / "no-peers"))}
-pack = {json.dumps(str(tmp_path / "no-pack"))}
-device = "cpu"
-max_piece_s = 480
-launch = ["launch", "--config_file", "accelerate_configs/cpu.yaml", "--num_cpu_threads_per_process", "1"]
-common = []
-packages = ["diffusers"]
-
-[gpu_evidence.env]
-HF_HUB_OFFLINE = "1"
-ACCELERATE_USE_CPU = "1"
-OMP_NUM_THREADS = "1"
+    cfg.write_text(driver_config(tmp_path, tmp_path / "images", "cpu", "common = []") + f"""
 
 [gpu_evidence.models.a14b]
 path = {json.dumps(str(base))}
